@@ -1,0 +1,101 @@
+"""Development sessions. Every session installs the pinned CPU torch first, so that pip never
+resolves an unpinned torch (which would pull a multi-GB CUDA build on a CPU machine)."""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+nox.options.sessions = ["ci"]
+nox.options.reuse_existing_virtualenvs = True
+nox.options.default_venv_backend = "venv"
+
+PYTHON = "3.11"
+DEFAULT_TORCH = os.environ.get("NPUGRAPH_TORCH", "2.13.0")
+TORCH_VERSIONS = ["2.13.0", "2.14.1"]
+PACKAGES = {
+    "npugraph-runtime": [],
+    "npugraph-passes": ["npugraph-runtime"],
+    "npugraph-cache": [],
+    "npugraph-backend": ["npugraph-runtime", "npugraph-passes", "npugraph-cache"],
+}
+TEST_DEPS = ["pytest>=8", "hypothesis>=6.100"]
+
+
+def _install_torch(session: nox.Session, version: str = DEFAULT_TORCH) -> None:
+    session.install(f"torch=={version}")
+
+
+def _install_all(session: nox.Session, torch: str = DEFAULT_TORCH, extras: str = "dev,models") -> None:
+    _install_torch(session, torch)
+    editable = [arg for pkg in PACKAGES for arg in ("-e", f"packages/{pkg}")]
+    session.install(*editable, "-e", f".[{extras}]", f"torch=={torch}")
+
+
+def _pytest(session: nox.Session, *paths: str) -> None:
+    args = list(session.posargs) or ["-q", *paths]
+    session.run("python", "-m", "pytest", *args)
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """The whole test suite on the default torch (2.13.0; NPUGRAPH_TORCH=2.14.1 for the other)."""
+    _install_all(session)
+    _pytest(session)
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("torch", TORCH_VERSIONS)
+def tests_matrix(session: nox.Session, torch: str) -> None:
+    """The whole test suite on each supported torch release that lies on this machine."""
+    _install_all(session, torch)
+    _pytest(session)
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("package", list(PACKAGES))
+def tests_pkg(session: nox.Session, package: str) -> None:
+    """One package installed alone with only its declared dependencies: proves the layering."""
+    _install_torch(session)
+    deps = [arg for dep in PACKAGES[package] for arg in ("-e", f"packages/{dep}")]
+    session.install(*deps, "-e", f"packages/{package}", *TEST_DEPS, f"torch=={DEFAULT_TORCH}")
+    session.chdir(f"packages/{package}")
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                "--import-mode=importlib", "tests", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def typecheck(session: nox.Session) -> None:
+    """mypy --strict on every package's src/."""
+    _install_all(session)
+    session.run("mypy", *[f"packages/{pkg}/src" for pkg in PACKAGES], "src")
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.5")
+    session.run("ruff", "check", ".")
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """Greedy decoding with a small Llama, eager against npugraph_ex (see README)."""
+    _install_all(session)
+    session.run("npugraph-ex", "demo", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Side-by-side benchmarks (eager, aot_eager, ours); writes JSON and PNG to bench-results/."""
+    _install_all(session)
+    session.run("npugraph-ex", "bench", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def ci(session: nox.Session) -> None:
+    """What .ci/run calls: lint, types, then the whole test suite."""
+    _install_all(session)
+    session.run("ruff", "check", ".")
+    session.run("mypy", *[f"packages/{pkg}/src" for pkg in PACKAGES], "src")
+    _pytest(session)
