@@ -1,0 +1,5 @@
+"""npugraph-backend."""
+
+from npugraph_backend.__about__ import __version__
+
+__all__ = ["__version__"]
