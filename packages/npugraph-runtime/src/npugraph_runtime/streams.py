@@ -1,0 +1,1 @@
+"""Stream, Event and the stream() context manager. (Filled by the runtime work.)"""
