@@ -1,0 +1,28 @@
+"""Dead-code elimination that keeps every side effect (mutations, RNG, our stream/scope markers)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from npugraph_passes._compat import OpOverload, OpOverloadPacket
+
+
+def _is_npugraph_ex_op(node: torch.fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, (OpOverload, OpOverloadPacket)) and (
+        target.namespace == "npugraph_ex"
+    )
+
+
+def _is_impure(node: torch.fx.Node) -> bool:
+    # Stream/scope markers order the graph for the runtime even when nothing reads them.
+    return _is_npugraph_ex_op(node) or node.is_impure()
+
+
+def dead_code_elimination(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> None:
+    """Removes nodes whose results are unused and that have no side effect."""
+    gm.graph.eliminate_dead_code(is_impure_node=_is_impure)

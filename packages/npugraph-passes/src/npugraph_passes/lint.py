@@ -1,0 +1,146 @@
+"""Capture-safety lint: names every node that cannot be captured into a device graph.
+
+A device graph records device work only. Anything that needs the host during the step (reading a
+value back, a shape that depends on data, drawing random numbers from the host generator, a
+tensor computed on the CPU inside a CUDA/NPU graph) would be baked in at capture and be wrong on
+replay, or fails the capture. The lint does not change the graph: it stores its findings in
+``gm.meta["npugraph_ex_unsafe_nodes"]`` and the backend turns them into an error or into eager
+execution with one warning.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from npugraph_passes._compat import OpOverload
+
+META_KEY = "npugraph_ex_unsafe_nodes"
+
+_HOST_SYNC = "host sync (reads a tensor value back to the host)"
+_DATA_SHAPE = "data-dependent output shape"
+_RNG = "random number generation (the host generator state is baked in at capture)"
+_CPU = "CPU tensor inside a {device} graph"
+
+_SCALAR_RETURNS = frozenset({"number", "bool", "int", "float", "Scalar", "complex"})
+_METADATA_OPS = frozenset({"dim", "size", "stride", "numel", "is_contiguous", "storage_offset",
+                           "is_same_size", "is_floating_point", "is_complex", "_nested_tensor_size"})
+
+
+@dataclass(frozen=True)
+class UnsafeNode:
+    """One node that cannot be captured; ``source`` is the user's line (``file:line: code``)."""
+
+    name: str
+    target: str
+    reason: str
+    source: str | None
+
+    def __str__(self) -> str:
+        where = f" at {self.source}" if self.source else ""
+        return f"{self.name} ({self.target}): {self.reason}{where}"
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)')
+
+
+def user_source_line(node: torch.fx.Node) -> str | None:
+    """The innermost frame of ``node.meta["stack_trace"]`` as ``file:line in fn: code``."""
+    trace = node.meta.get("stack_trace")
+    if not isinstance(trace, str) or not trace.strip():
+        return None
+    lines = trace.rstrip().splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        match = _FRAME.search(lines[i])
+        if match:
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            text = f"{match.group(1)}:{match.group(2)} in {match.group(3)}"
+            return f"{text}: {code}" if code else text
+    return lines[-1].strip()
+
+
+def _tensors(value: object) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _graph_device(graph: torch.fx.Graph) -> torch.device | None:
+    """The accelerator the graph computes on, or None for a CPU (or device-less) graph."""
+    for node in graph.nodes:
+        for t in _tensors(node.meta.get("val")):
+            if t.device.type not in ("cpu", "meta"):
+                return t.device
+    return None
+
+
+def _is_bool_index(node: torch.fx.Node) -> bool:
+    indices = node.args[1] if len(node.args) > 1 else node.kwargs.get("indices", ())
+    for idx in indices if isinstance(indices, (list, tuple)) else ():
+        if isinstance(idx, torch.fx.Node):
+            val = idx.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.dtype in (torch.bool, torch.uint8):
+                return True
+    return False
+
+
+def _op_reason(node: torch.fx.Node) -> str | None:
+    target = node.target
+    if not isinstance(target, OpOverload):
+        if target in (torch.Tensor.item, torch.Tensor.tolist):
+            return _HOST_SYNC
+        return None
+    tags = set(target.tags)
+    if torch.Tag.nondeterministic_seeded in tags:
+        return _RNG
+    if torch.Tag.data_dependent_output in tags:
+        return _HOST_SYNC
+    if torch.Tag.dynamic_output_shape in tags:
+        if target is torch.ops.aten.index.Tensor and not _is_bool_index(node):
+            return None
+        return _DATA_SHAPE
+    schema = target._schema
+    base = schema.name.split("::")[-1]
+    returns = [str(r.type) for r in schema.returns]
+    takes_tensor = any(isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+                       for a in node.all_input_nodes)
+    if (takes_tensor and returns and all(r in _SCALAR_RETURNS for r in returns)
+            and not base.startswith("sym_") and base not in _METADATA_OPS):
+        return _HOST_SYNC
+    return None
+
+
+def find_unsafe_nodes(gm: torch.fx.GraphModule) -> list[UnsafeNode]:
+    """Every node of ``gm`` that cannot be captured, in graph order. Needs ``node.meta["val"]``
+    for the device checks; op-level checks (host sync, data-dependent shape, RNG) need none."""
+    device = _graph_device(gm.graph)
+    found: list[UnsafeNode] = []
+    for node in gm.graph.nodes:
+        reason: str | None = None
+        if node.op == "call_function":
+            reason = _op_reason(node)
+            if reason is None and device is not None:
+                outs = _tensors(node.meta.get("val"))
+                if outs and any(t.device.type == "cpu" for t in outs):
+                    reason = _CPU.format(device=device.type)
+        elif node.op == "placeholder" and device is not None:
+            val = node.meta.get("val")
+            if isinstance(val, torch.Tensor) and val.device.type == "cpu" and any(
+                u.op == "call_function" for u in node.users
+            ):
+                reason = _CPU.format(device=device.type)
+        if reason is not None:
+            found.append(UnsafeNode(node.name, str(node.target), reason, user_source_line(node)))
+    return found
+
+
+def capture_safety_lint(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> None:
+    """Stores :func:`find_unsafe_nodes` in ``gm.meta["npugraph_ex_unsafe_nodes"]``; never edits."""
+    gm.meta[META_KEY] = find_unsafe_nodes(gm)

@@ -1,0 +1,214 @@
+"""The pass manager: an ordered, option-gated list of graph passes and a fixed clean-up tail.
+
+A pass is ``fn(gm, example_inputs, config) -> None`` that rewrites ``gm.graph`` in place. The
+manager times each pass, tells an observer (the debug dumper) after each one, and wraps any
+exception in a :class:`PassError` that names the pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+from npugraph_passes.errors import PassError
+from npugraph_passes.identity import combine, module_digest, options_digest, source_digest
+
+PassFn = Callable[[torch.fx.GraphModule, Sequence[Any], Any], None]
+Observer = Callable[[str, torch.fx.GraphModule, "PassRecord"], None]
+
+#: Built-in passes in the order they run, each gated by the option of the same name (default on).
+BUILTIN_OPTIONS: tuple[str, ...] = (
+    "remove_noop_ops",
+    "pattern_fusion_pass",
+    "remove_cat_ops",
+    "inplace_pass",
+    "input_inplace_pass",
+)
+USER_PASS_OPTIONS: tuple[str, ...] = ("post_grad_custom_pre_pass", "post_grad_custom_post_pass")
+
+
+@dataclass(frozen=True)
+class PassRecord:
+    """What one pass did: wall time and whether (and how much) it changed the graph."""
+
+    name: str
+    seconds: float
+    changed: bool
+    nodes_before: int
+    nodes_after: int
+
+
+class GraphPass:
+    """A named pass with a stable identity.
+
+    ``options`` are the names and values of the options the pass reads; they are part of the
+    identity. ``builtin`` passes hash the source of their whole module (helpers included); user
+    passes hash their own source (or bytecode, or their ``identity()``/``uuid()``).
+    """
+
+    def __init__(
+        self,
+        fn: PassFn,
+        name: str | None = None,
+        options: Mapping[str, object] | None = None,
+        *,
+        builtin: bool = False,
+    ) -> None:
+        if not callable(fn):
+            raise TypeError(f"a graph pass must be callable (gm, example_inputs, config); got {fn!r}")
+        self.fn = fn
+        self.name: str = name or str(getattr(fn, "__name__", type(fn).__name__))
+        self.options: dict[str, object] = dict(options or {})
+        self.builtin = builtin
+        self._identity: str | None = None
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> None:
+        self.fn(gm, example_inputs, config)
+
+    def identity(self) -> str:
+        if self._identity is None:
+            code = module_digest(self.fn) if self.builtin else source_digest(self.fn)
+            self._identity = combine(self.name, code, options_digest(self.options))
+        return self._identity
+
+    def __repr__(self) -> str:
+        return f"GraphPass({self.name!r}, options={self.options!r})"
+
+
+def _fingerprint(graph: torch.fx.Graph) -> int:
+    items: list[object] = []
+    for node in graph.nodes:
+        args = torch.fx.node.map_arg((node.args, node.kwargs), lambda n: n.name)
+        items.append((node.name, node.op, str(node.target), repr(args)))
+    return hash(tuple(items))
+
+
+def _count(graph: torch.fx.Graph) -> int:
+    return len(graph.nodes)
+
+
+def _builtin_pass(option: str) -> PassFn:
+    # Imported here so that importing the manager stays cheap and cycles are impossible.
+    if option == "remove_noop_ops":
+        from npugraph_passes.noop import remove_noop_ops
+
+        return remove_noop_ops
+    if option == "remove_cat_ops":
+        from npugraph_passes.cat import remove_cat_ops
+
+        return remove_cat_ops
+    if option == "inplace_pass":
+        from npugraph_passes.reinplace import inplace_pass
+
+        return inplace_pass
+    if option == "input_inplace_pass":
+        from npugraph_passes.reinplace import input_inplace_pass
+
+        return input_inplace_pass
+    if option == "pattern_fusion_pass":
+        from npugraph_passes.fusion import pattern_fusion_pass
+
+        return pattern_fusion_pass
+    raise ValueError(f"unknown built-in pass {option!r}; allowed: {', '.join(BUILTIN_OPTIONS)}")
+
+
+def _check_bool(option: str, value: object) -> bool:
+    if type(value) is not bool:
+        raise TypeError(f"option {option}={value!r} must be True or False")
+    return value
+
+
+def _check_user_pass(option: str, value: object) -> PassFn | None:
+    if value is None:
+        return None
+    if not callable(value):
+        raise TypeError(
+            f"option {option}={value!r} must be a callable (gm, example_inputs, config) -> None or None"
+        )
+    return value  # type: ignore[no-any-return]
+
+
+class PassManager:
+    """Runs, in order: the user's pre pass, the enabled built-ins, the user's post pass, then the
+    fixed tail (dead-code elimination, capture-safety lint). See the package README for why."""
+
+    def __init__(self, passes: Sequence[GraphPass]) -> None:
+        from npugraph_passes.cleanup import dead_code_elimination
+        from npugraph_passes.lint import capture_safety_lint
+
+        self.passes: list[GraphPass] = list(passes)
+        self.tail: list[GraphPass] = [
+            GraphPass(dead_code_elimination, "dead_code_elimination", builtin=True),
+            GraphPass(capture_safety_lint, "capture_safety_lint", builtin=True),
+        ]
+
+    @classmethod
+    def from_config(cls, config: Any) -> PassManager:
+        """Builds the pass list from a config read with getattr (built-in options default to True,
+        user passes to None). Option values are fixed here: they are part of the identity."""
+        passes: list[GraphPass] = []
+        pre = _check_user_pass("post_grad_custom_pre_pass", getattr(config, "post_grad_custom_pre_pass", None))
+        if pre is not None:
+            passes.append(GraphPass(pre, "post_grad_custom_pre_pass"))
+        for option in BUILTIN_OPTIONS:
+            if _check_bool(option, getattr(config, option, True)):
+                passes.append(GraphPass(_builtin_pass(option), option, {option: True}, builtin=True))
+        post = _check_user_pass("post_grad_custom_post_pass", getattr(config, "post_grad_custom_post_pass", None))
+        if post is not None:
+            passes.append(GraphPass(post, "post_grad_custom_post_pass"))
+        return cls(passes)
+
+    @property
+    def names(self) -> list[str]:
+        return [p.name for p in self.passes + self.tail]
+
+    def identity(self) -> str:
+        """sha256 over the identities of every pass that runs, in order (for cache keys)."""
+        return combine(*(p.identity() for p in self.passes + self.tail))
+
+    def run(
+        self,
+        gm: torch.fx.GraphModule,
+        example_inputs: Sequence[Any],
+        config: Any,
+        observer: Observer | None = None,
+    ) -> list[PassRecord]:
+        """Runs every pass on ``gm`` in place and returns one record per pass.
+
+        The graph is recompiled after a pass that changed it when an observer is given (so it
+        can print the code), and once at the end otherwise.
+        """
+        records: list[PassRecord] = []
+        any_changed = False
+        for graph_pass in self.passes + self.tail:
+            before = _fingerprint(gm.graph)
+            nodes_before = _count(gm.graph)
+            start = time.perf_counter()
+            try:
+                graph_pass(gm, example_inputs, config)
+            except PassError:
+                raise
+            except Exception as exc:
+                raise PassError(
+                    graph_pass.name,
+                    f"graph pass {graph_pass.name!r} raised {type(exc).__name__}: {exc} "
+                    f"(turn the option {graph_pass.name!r} off or fix the pass)",
+                ) from exc
+            seconds = time.perf_counter() - start
+            changed = _fingerprint(gm.graph) != before
+            record = PassRecord(graph_pass.name, seconds, changed, nodes_before, _count(gm.graph))
+            records.append(record)
+            if changed:
+                any_changed = True
+                if observer is not None:
+                    gm.recompile()
+            if observer is not None:
+                observer(graph_pass.name, gm, record)
+        if any_changed and observer is None:
+            gm.recompile()
+        return records

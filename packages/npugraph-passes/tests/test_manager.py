@@ -1,0 +1,166 @@
+"""PassManager: order, gating, timing records, observer, identity and error wrapping."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from npugraph_passes import GraphPass, PassError, PassManager, PassRecord
+
+
+def _config(**overrides: Any) -> SimpleNamespace:
+    base: dict[str, Any] = dict(
+        remove_noop_ops=True,
+        remove_cat_ops=True,
+        inplace_pass=True,
+        input_inplace_pass=True,
+        pattern_fusion_pass=True,
+        post_grad_custom_pre_pass=None,
+        post_grad_custom_post_pass=None,
+    )
+    base.update(overrides)
+    return SimpleNamespace(**base)
+
+
+def _graph() -> tuple[torch.fx.GraphModule, list[torch.Tensor]]:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x[:, :].clone() * 2 + 1
+
+    x = torch.randn(4, 4)
+    return make_fx(f, tracing_mode="fake")(x), [x]
+
+
+def test_order_is_pre_builtins_post_then_tail() -> None:
+    def pre(gm: torch.fx.GraphModule, ex: Sequence[Any], cfg: Any) -> None:
+        pass
+
+    def post(gm: torch.fx.GraphModule, ex: Sequence[Any], cfg: Any) -> None:
+        pass
+
+    pm = PassManager.from_config(_config(post_grad_custom_pre_pass=pre, post_grad_custom_post_pass=post))
+    assert pm.names == [
+        "post_grad_custom_pre_pass",
+        "remove_noop_ops",
+        "pattern_fusion_pass",
+        "remove_cat_ops",
+        "inplace_pass",
+        "input_inplace_pass",
+        "post_grad_custom_post_pass",
+        "dead_code_elimination",
+        "capture_safety_lint",
+    ]
+
+
+def test_disabled_options_drop_their_pass() -> None:
+    pm = PassManager.from_config(_config(remove_noop_ops=False, remove_cat_ops=False))
+    assert "remove_noop_ops" not in pm.names
+    assert "remove_cat_ops" not in pm.names
+    assert "inplace_pass" in pm.names
+
+
+def test_missing_options_default_to_on() -> None:
+    pm = PassManager.from_config(object())
+    assert pm.names[:5] == ["remove_noop_ops", "pattern_fusion_pass", "remove_cat_ops",
+                            "inplace_pass", "input_inplace_pass"]
+
+
+def test_non_bool_option_is_refused_with_its_name() -> None:
+    with pytest.raises(TypeError, match="remove_cat_ops=1"):
+        PassManager.from_config(_config(remove_cat_ops=1))
+
+
+def test_non_callable_user_pass_is_refused() -> None:
+    with pytest.raises(TypeError, match="post_grad_custom_pre_pass"):
+        PassManager.from_config(_config(post_grad_custom_pre_pass="nope"))
+
+
+def test_run_records_every_pass_and_calls_observer_after_each() -> None:
+    gm, inputs = _graph()
+    expected = gm(*inputs)
+    seen: list[tuple[str, PassRecord]] = []
+    records = PassManager.from_config(_config()).run(
+        gm, inputs, _config(), observer=lambda name, g, rec: seen.append((name, rec))
+    )
+    assert [r.name for r in records] == [name for name, _ in seen]
+    assert all(r.seconds >= 0 for r in records)
+    noop = next(r for r in records if r.name == "remove_noop_ops")
+    assert noop.changed and noop.nodes_after < noop.nodes_before
+    lint = next(r for r in records if r.name == "capture_safety_lint")
+    assert not lint.changed
+    torch.testing.assert_close(gm(*inputs), expected)
+
+
+def test_pass_sees_graph_after_previous_passes() -> None:
+    seen: list[int] = []
+
+    def post(gm: torch.fx.GraphModule, ex: Sequence[Any], cfg: Any) -> None:
+        seen.append(sum(n.target is torch.ops.aten.clone.default for n in gm.graph.nodes))
+
+    def pre(gm: torch.fx.GraphModule, ex: Sequence[Any], cfg: Any) -> None:
+        seen.append(sum(n.target is torch.ops.aten.clone.default for n in gm.graph.nodes))
+
+    gm, inputs = _graph()
+    cfg = _config(post_grad_custom_pre_pass=pre, post_grad_custom_post_pass=post)
+    PassManager.from_config(cfg).run(gm, inputs, cfg)
+    assert seen == [1, 0]
+
+
+def test_user_pass_exception_becomes_pass_error_naming_it() -> None:
+    def broken(gm: torch.fx.GraphModule, ex: Sequence[Any], cfg: Any) -> None:
+        raise KeyError("boom")
+
+    gm, inputs = _graph()
+    cfg = _config(post_grad_custom_post_pass=broken)
+    with pytest.raises(PassError, match="post_grad_custom_post_pass") as info:
+        PassManager.from_config(cfg).run(gm, inputs, cfg)
+    assert isinstance(info.value.__cause__, KeyError)
+    assert info.value.pass_name == "post_grad_custom_post_pass"
+
+
+def test_lint_result_is_stored_in_graph_meta() -> None:
+    gm, inputs = _graph()
+    PassManager.from_config(_config()).run(gm, inputs, _config())
+    assert gm.meta["npugraph_ex_unsafe_nodes"] == []
+
+
+def test_identity_is_stable_and_depends_on_options_and_user_pass_source() -> None:
+    def p1(gm: torch.fx.GraphModule, ex: Sequence[Any], cfg: Any) -> None:
+        pass
+
+    def p2(gm: torch.fx.GraphModule, ex: Sequence[Any], cfg: Any) -> None:
+        gm.graph.lint()
+
+    a = PassManager.from_config(_config()).identity()
+    assert a == PassManager.from_config(_config()).identity()
+    assert len(a) == 64
+    assert a != PassManager.from_config(_config(remove_cat_ops=False)).identity()
+    with_p1 = PassManager.from_config(_config(post_grad_custom_post_pass=p1)).identity()
+    with_p2 = PassManager.from_config(_config(post_grad_custom_post_pass=p2)).identity()
+    assert len({a, with_p1, with_p2}) == 3
+
+
+def test_graph_pass_identity_reads_its_options() -> None:
+    def p(gm: torch.fx.GraphModule, ex: Sequence[Any], cfg: Any) -> None:
+        pass
+
+    assert GraphPass(p, "p", {"k": 1}).identity() != GraphPass(p, "p", {"k": 2}).identity()
+    assert GraphPass(p, "p", {"k": 1}).identity() == GraphPass(p, "p", {"k": 1}).identity()
+
+
+def test_pass_object_with_uuid_uses_it() -> None:
+    class Custom:
+        def __init__(self, version: int) -> None:
+            self.version = version
+
+        def __call__(self, gm: torch.fx.GraphModule, ex: Sequence[Any], cfg: Any) -> None:
+            pass
+
+        def uuid(self) -> str:
+            return f"custom-{self.version}"
+
+    assert GraphPass(Custom(1)).identity() != GraphPass(Custom(2)).identity()
