@@ -1,0 +1,247 @@
+"""Every private torch API the backend touches, each with the torch versions it was checked on.
+A torch upgrade is a change to this file only. (Shared file: append, do not rewrite others' entries.)"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+
+# --- AOTAutograd entry -----------------------------------------------------------------------
+# torch._functorch.aot_autograd.aot_module_simplified: checked on 2.13.0 (keyword
+# keep_inference_input_mutations and inference_compiler present since 2.0).
+from torch._functorch.aot_autograd import aot_module_simplified as aot_module_simplified
+
+# --- TracingContext (AOT metadata of the graph being compiled) --------------------------------
+# torch._guards.TracingContext.try_get().fw_metadata (a ViewAndMutationMeta): checked on 2.13.0;
+# fields input_info[i].mutates_data, output_info[i].output_type/base_idx, static_input_indices,
+# mutated_inp_runtime_indices, tokens exist since 2.4.
+from torch._guards import TracingContext as _TracingContext
+
+
+@dataclass(frozen=True)
+class AotMetadata:
+    """The parts of AOT's ViewAndMutationMeta the backend uses, in plain types."""
+
+    static_input_indices: frozenset[int]
+    mutates_data: tuple[bool, ...]  # per original (pre-AOT) flat input
+    # per user output: ("alias_of_input" | "is_input" | "non_alias" | ..., base input index or None)
+    outputs: tuple[tuple[str, int | None], ...]
+    num_mutated_outputs: int  # mutated inputs returned as leading outputs (not kept in graph)
+    num_tokens: int
+
+
+def aot_metadata() -> AotMetadata | None:
+    """The AOT metadata of the graph being compiled now, or None outside AOT compilation."""
+    ctx = _TracingContext.try_get()
+    md = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    if md is None:
+        return None
+    outputs = tuple(
+        (getattr(o.output_type, "name", str(o.output_type)), o.base_idx) for o in md.output_info
+    )
+    return AotMetadata(
+        static_input_indices=frozenset(getattr(md, "static_input_indices", ()) or ()),
+        mutates_data=tuple(bool(i.mutates_data) for i in md.input_info),
+        outputs=outputs,
+        num_mutated_outputs=len(getattr(md, "mutated_inp_runtime_indices", ()) or ()),
+        num_tokens=len(getattr(md, "tokens", {}) or {}),
+    )
+
+
+# --- AOT input/output descriptors --------------------------------------------------------------
+# node.meta["desc"] on placeholders (AOTInput) and the output node (list of AOTOutput):
+# torch._functorch._aot_autograd.descriptors, checked on 2.13.0 (ParamAOTInput, BufferAOTInput,
+# PlainAOTInput(idx), ViewBaseAOTInput, SyntheticBaseAOTInput, PlainAOTOutput(idx), ...).
+# torch 2.11 may not set "desc": the callers then fall back to the order of fw_metadata.input_info
+# (placeholders = tokens + flat inputs, in order) and to structural aliasing for outputs.
+try:
+    from torch._functorch._aot_autograd import descriptors as _desc
+
+    HAS_DESCRIPTORS = True
+except ImportError:  # torch < 2.9
+    _desc = None  # type: ignore[assignment]
+    HAS_DESCRIPTORS = False
+
+
+def input_origin(node: torch.fx.Node) -> tuple[str, int | None]:
+    """Where a placeholder comes from: ("param"|"buffer", None), ("plain", flat input index),
+    ("other", None) for synthetic/view bases, tokens, subclass parts; ("unknown", None) when the
+    node carries no descriptor."""
+    desc = node.meta.get("desc")
+    if desc is None or _desc is None:
+        return ("unknown", None)
+    if isinstance(desc, _desc.ParamAOTInput):
+        return ("param", None)
+    if isinstance(desc, _desc.BufferAOTInput):
+        return ("buffer", None)
+    if isinstance(desc, _desc.PlainAOTInput):
+        return ("plain", int(desc.idx))
+    return ("other", None)
+
+
+def output_origins(gm: torch.fx.GraphModule) -> list[tuple[str, int | None]] | None:
+    """Per graph output: ("plain", user output index), ("mutation", None), ("other", None); None
+    when the output node carries no descriptors."""
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    descs = out.meta.get("desc")
+    if descs is None or _desc is None:
+        return None
+    result: list[tuple[str, int | None]] = []
+    for d in descs:
+        if isinstance(d, _desc.PlainAOTOutput):
+            result.append(("plain", int(d.idx)))
+        elif isinstance(d, _desc.InputMutationAOTOutput):
+            result.append(("mutation", None))
+        else:
+            result.append(("other", None))
+    return result
+
+
+# torch._C._is_alias_of: checked on 2.13.0 (works on fake tensors); structural fallback for
+# outputs that alias inputs when descriptors are missing.
+def is_alias_of(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(getattr(torch._C, "_is_alias_of")(a, b))
+
+
+# --- Static inputs outside AOT (compile_fx on a hand-made graph) -------------------------------
+# Tensor attribute `_dynamo_static_input_type` set by torch._dynamo.mark_static_address: 2.13.0.
+def marked_static(x: object) -> bool:
+    return isinstance(x, torch.nn.Parameter) or hasattr(x, "_dynamo_static_input_type")
+
+
+# --- Dynamo counters ---------------------------------------------------------------------------
+# torch._dynamo.utils.counters: a defaultdict(Counter), checked on 2.13.0 (since 1.13).
+def counters() -> Counter[str]:
+    from torch._dynamo.utils import counters as _counters
+
+    c: Counter[str] = _counters["npugraph_ex"]
+    return c
+
+
+def dynamo_counters() -> Any:
+    from torch._dynamo.utils import counters as _counters
+
+    return _counters
+
+
+# --- Backend registry --------------------------------------------------------------------------
+# torch._dynamo.list_backends: public-ish, under torch._dynamo; checked on 2.13.0.
+def list_backends() -> list[str]:
+    import torch._dynamo
+
+    return list(torch._dynamo.list_backends(exclude_tags=()))
+
+
+# --- torch logging registry --------------------------------------------------------------------
+# torch._logging._internal.register_log and _init_logs: checked on 2.13.0 (since 2.1). TORCH_LOGS
+# is parsed when torch is imported, before our registration, so re-parse when it names us.
+def register_log(name: str) -> None:
+    try:
+        from torch._logging import _internal
+    except ImportError:
+        return
+    if name in getattr(_internal.log_registry, "log_alias_to_log_qnames", {}):
+        return
+    _internal.register_log(name, name)
+    if name in os.environ.get("TORCH_LOGS", ""):
+        _internal._init_logs()
+    logging.getLogger(name)
+
+
+# --- Boxed calling convention ------------------------------------------------------------------
+# AOT calls a compiled forward with one list argument when it has `_boxed_call = True`
+# (torch._functorch._aot_autograd.utils.make_boxed_func): checked on 2.13.0 (since 2.0).
+BOXED_CALL_ATTR = "_boxed_call"
+
+
+def make_boxed(fn: Callable[..., Any]) -> Callable[[list[Any]], Any]:
+    from torch._functorch.aot_autograd import make_boxed_func  # type: ignore[attr-defined]
+
+    return make_boxed_func(fn)
+
+
+# --- Fake tensors ------------------------------------------------------------------------------
+# torch._subclasses.fake_tensor.FakeTensor: checked on 2.13.0. Example inputs inside AOT are
+# fake; the device is what we need from them.
+def is_fake(x: object) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(x, FakeTensor)
+
+
+# --- Dynamo compile counting (tests count dynamo graphs) --------------------------------------
+# torch._dynamo.testing.CompileCounterWithBackend: checked on 2.13.0.
+def compile_counter(backend: str) -> Any:
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    return CompileCounterWithBackend(backend)
+
+
+def dynamo_reset() -> None:
+    """torch._dynamo.reset: checked on 2.13.0."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+
+
+def symint_is_symbolic(s: object) -> bool:
+    """True for a SymInt/SymFloat/SymBool whose value is not a known constant."""
+    if isinstance(s, torch.SymInt | torch.SymFloat | torch.SymBool):
+        node = s.node
+        return not (hasattr(node, "is_constant") and node.is_constant())
+    return False
+
+
+def example_value(node: torch.fx.Node, fallback: object) -> object:
+    """node.meta["val"] (the fake value FX/AOT record), or the example input."""
+    return node.meta.get("val", fallback)
+
+
+def placeholders(gm: torch.fx.GraphModule) -> Sequence[torch.fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+# --- dfx/debug.py: the run directory of TORCH_COMPILE_DEBUG (DFX helper) -----------------------
+def dynamo_debug_dir() -> str:
+    """``torch._dynamo.utils.get_debug_dir()``: ``<debug_dir_root>/run_<time>-pid_<pid>``, the
+    root honouring TORCH_COMPILE_DEBUG_DIR. Checked on torch 2.13.0 (same name since 2.0). It
+    returns a fresh timestamp on every call, so callers cache it. Fallback: the same layout under
+    the current directory."""
+    try:
+        from torch._dynamo.utils import get_debug_dir
+    except ImportError:  # pragma: no cover - torch without dynamo
+        import datetime
+
+        root = os.environ.get("TORCH_COMPILE_DEBUG_DIR", os.getcwd())
+        stamp = datetime.datetime.now().strftime("%Y_%m_%d_%H_%M_%S_%f")
+        return os.path.join(root, "torch_compile_debug", f"run_{stamp}-pid_{os.getpid()}")
+    return str(get_debug_dir())
+
+
+# --- dfx/ranges.py: is a profiler recording? (DFX helper) ---------------------------------------
+def profiler_enabled() -> bool:
+    """``torch.autograd.profiler._is_profiler_enabled``: a module global set by every torch
+    profiler on start and cleared on stop, so reading it costs one attribute lookup. Checked on
+    torch 2.13.0 (present since 1.13); fallback: the C query ``torch.autograd._profiler_enabled``."""
+    import torch.autograd.profiler as profiler
+
+    flag = getattr(profiler, "_is_profiler_enabled", None)
+    if flag is not None:
+        return bool(flag)
+    return bool(torch.autograd._profiler_enabled())
+
+
+# torch._ops.OpOverload and its `_schema`: checked on 2.13.0 (since 1.12).
+def op_schema(node: torch.fx.Node) -> Any:
+    """The schema of an ATen/custom op node, or None for anything else."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema
+    return None
