@@ -1,7 +1,10 @@
 """npugraph-runtime: device graphs on CPU (emulated), CUDA and Ascend NPU, with pools, streams,
 core limits and a capture manager. Usable by hand, without torch.compile."""
 
+# ops: importing it registers torch.ops.npugraph_ex.{scope_enter, scope_exit, record, wait}.
+from npugraph_runtime import ops
 from npugraph_runtime.__about__ import __version__
+from npugraph_runtime.core_limit import current_core_limit, limit_core_num, max_core_num
 from npugraph_runtime.devices.base import DeviceGraph, PoolHandle
 from npugraph_runtime.errors import (
     CaptureError,
@@ -10,6 +13,7 @@ from npugraph_runtime.errors import (
     NpugraphError,
     PolicyError,
 )
+from npugraph_runtime.ops import current_scope, register_user_stream, user_stream
 from npugraph_runtime.spec import CapturePolicy, InputSpec, OutputSpec, SlotKind
 
 __all__ = [
@@ -25,4 +29,11 @@ __all__ = [
     "PoolHandle",
     "SlotKind",
     "__version__",
+    "current_core_limit",
+    "current_scope",
+    "limit_core_num",
+    "max_core_num",
+    "ops",
+    "register_user_stream",
+    "user_stream",
 ]

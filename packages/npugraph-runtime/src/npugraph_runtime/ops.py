@@ -1,0 +1,174 @@
+"""Graph-level marker ops of namespace ``npugraph_ex``, and the user-stream registry.
+
+Importing ``npugraph_runtime`` registers (once per process):
+
+* ``torch.ops.npugraph_ex.scope_enter(str[] keys, str[] values) -> ()``: push ``dict(zip(keys,
+  values))`` on this thread's scope stack;
+* ``torch.ops.npugraph_ex.scope_exit() -> ()``: pop it;
+* ``torch.ops.npugraph_ex.record() -> Tensor``: a small token tensor marking a point of the graph;
+* ``torch.ops.npugraph_ex.wait(Tensor[] nodes) -> ()``: a marker that the following nodes wait for
+  the recorded points (no-op when run eagerly).
+
+All four are side-effecting: FX dead-code elimination keeps them and AOT keeps them in program
+order, so a custom pass or the backend can lower them. They have fake kernels, so dynamo and AOT
+trace them. A scope whose keys include ``"_user_stream_label"`` means the enclosed nodes run on the
+stream registered under that label (see :func:`user_stream`); the backend does that lowering, the
+ops themselves only keep the scope stack. A scope with ``"_op_aicore_num"`` / ``"_op_vectorcore_num"``
+is what :class:`~npugraph_runtime.core_limit.limit_core_num` leaves in a compiled graph.
+
+If another library (torch_npu's own npugraph_ex) already defined an op of the same name, that
+definition is kept and ours is not registered."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from npugraph_runtime._compat import mark_side_effectful
+from npugraph_runtime.errors import NpugraphError
+
+NAMESPACE = "npugraph_ex"
+USER_STREAM_LABEL = "_user_stream_label"
+AICORE_KEY = "_op_aicore_num"
+VECTORCORE_KEY = "_op_vectorcore_num"
+
+_SCHEMAS = {
+    "scope_enter": "scope_enter(str[] keys, str[] values) -> ()",
+    "scope_exit": "scope_exit() -> ()",
+    "record": "record() -> Tensor",
+    "wait": "wait(Tensor[] nodes) -> ()",
+}
+
+
+class _ScopeStack(threading.local):
+    def __init__(self) -> None:
+        self.scopes: list[dict[str, str]] = []
+
+
+_stack = _ScopeStack()
+
+
+def current_scope() -> dict[str, str]:
+    """The scope in force on this thread: the entered scopes merged, inner keys winning. A copy."""
+    merged: dict[str, str] = {}
+    for scope in _stack.scopes:
+        merged.update(scope)
+    return merged
+
+
+def scope_stack() -> tuple[dict[str, str], ...]:
+    """Every scope entered on this thread and not yet exited, outermost first (copies)."""
+    return tuple(dict(s) for s in _stack.scopes)
+
+
+def _scope_enter(keys: Sequence[str], values: Sequence[str]) -> None:
+    if len(keys) != len(values):
+        raise NpugraphError(
+            f"npugraph_ex.scope_enter got {len(keys)} keys and {len(values)} values; "
+            "give one value per key"
+        )
+    _stack.scopes.append(dict(zip(keys, values, strict=True)))
+
+
+def _scope_exit() -> None:
+    if not _stack.scopes:
+        raise NpugraphError(
+            "npugraph_ex.scope_exit was called with no scope entered on this thread; "
+            "every scope_exit needs an earlier scope_enter"
+        )
+    _stack.scopes.pop()
+
+
+def _record() -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int8)
+
+
+def _record_fake() -> torch.Tensor:
+    return torch.empty(1, dtype=torch.int8)
+
+
+def _wait(nodes: Sequence[torch.Tensor]) -> None:
+    # A marker: eagerly everything already ran in order on one stream.
+    return None
+
+
+def _nothing(*args: object) -> None:
+    return None
+
+
+_IMPLS: dict[str, tuple[Any, Any]] = {
+    "scope_enter": (_scope_enter, _nothing),
+    "scope_exit": (_scope_exit, _nothing),
+    "record": (_record, _record_fake),
+    "wait": (_wait, _nothing),
+}
+
+# torch.library is untyped; one Any-typed alias keeps mypy --strict quiet at every call.
+_Library: Any = torch.library.Library
+_lib: Any = None
+
+
+def _defined(name: str) -> bool:
+    try:
+        getattr(getattr(torch.ops, NAMESPACE), name)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
+def register() -> None:
+    """Define the ops if nobody has (idempotent). Called when ``npugraph_runtime`` is imported."""
+    global _lib
+    if _lib is not None:
+        return
+    lib = _Library(NAMESPACE, "FRAGMENT")
+    for name, schema in _SCHEMAS.items():
+        if _defined(name):
+            continue
+        lib.define(schema)
+        real, fake = _IMPLS[name]
+        lib.impl(name, real, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=lib)
+        mark_side_effectful(getattr(getattr(torch.ops, NAMESPACE), name).default)
+    _lib = lib
+
+
+# --- user streams -------------------------------------------------------------------------------
+
+_streams_lock = threading.Lock()
+_user_streams: dict[str, Any] = {}
+
+
+def register_user_stream(label: str, stream: Any) -> None:
+    """Make ``label`` name ``stream`` (an ``npugraph_runtime.Stream`` or a device stream) for every
+    ``scope_enter(["_user_stream_label"], [label])`` lowered after this call."""
+    if not isinstance(label, str) or not label:
+        raise NpugraphError(f"user stream label {label!r} is not allowed: give a non-empty str")
+    with _streams_lock:
+        _user_streams[label] = stream
+
+
+def user_stream(label: str, device: torch.device | str | None = None) -> Any:
+    """The stream registered under ``label``; an unknown label gets a new ``Stream(device)``,
+    registered, so every lowering of one label in this process uses one stream."""
+    if not isinstance(label, str) or not label:
+        raise NpugraphError(f"user stream label {label!r} is not allowed: give a non-empty str")
+    with _streams_lock:
+        found = _user_streams.get(label)
+        if found is None:
+            from npugraph_runtime.streams import Stream  # type: ignore[attr-defined]
+
+            found = _user_streams[label] = Stream(device)
+        return found
+
+
+def forget_user_streams() -> None:
+    """Drop every label (tests, or a process that rebuilds its models)."""
+    with _streams_lock:
+        _user_streams.clear()
+
+
+register()

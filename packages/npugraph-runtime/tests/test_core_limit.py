@@ -1,0 +1,164 @@
+"""limit_core_num on CPU (intra-op threads) and inside torch.compile(fullgraph=True)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterator
+
+import npugraph_runtime as ngr
+import pytest
+import torch
+from npugraph_runtime import core_limit
+from npugraph_runtime.errors import DeviceError, PolicyError
+from torch._dynamo.backends.common import aot_autograd
+
+CPU_MAX = os.cpu_count() or 1
+
+
+@pytest.fixture(autouse=True)
+def _threads() -> Iterator[None]:
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_cpu_threads_are_limited_inside_and_restored_after() -> None:
+    torch.set_num_threads(CPU_MAX)
+    with ngr.limit_core_num(1, 0):
+        assert torch.get_num_threads() == 1
+        assert ngr.current_core_limit() == ("cpu", 1, 0)
+    assert torch.get_num_threads() == CPU_MAX
+    assert ngr.current_core_limit() is None
+
+
+def test_threads_are_restored_when_the_scope_raises() -> None:
+    torch.set_num_threads(CPU_MAX)
+    with pytest.raises(KeyError), ngr.limit_core_num(1, 0):
+        raise KeyError("inside")
+    assert torch.get_num_threads() == CPU_MAX
+
+
+def test_nested_scopes_restore_the_outer_limit() -> None:
+    torch.set_num_threads(CPU_MAX)
+    with ngr.limit_core_num(CPU_MAX, 0):
+        with ngr.limit_core_num(1, 0):
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == CPU_MAX
+        assert ngr.current_core_limit() == ("cpu", CPU_MAX, 0)
+
+
+def test_one_object_can_be_entered_twice() -> None:
+    torch.set_num_threads(CPU_MAX)
+    scope = ngr.limit_core_num(1, 0)
+    with scope, scope:
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == CPU_MAX
+
+
+def test_results_inside_the_scope_equal_eager() -> None:
+    torch.manual_seed(0)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    expected = torch.nn.functional.gelu(a @ b)
+    with ngr.limit_core_num(1, 0):
+        got = torch.nn.functional.gelu(a @ b)
+    torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize(
+    ("aicore", "vectorcore", "name", "lowest"),
+    [
+        (0, 0, "op_aicore_num", 1),
+        (-3, 0, "op_aicore_num", 1),
+        (CPU_MAX + 1, 0, "op_aicore_num", 1),
+        (True, 0, "op_aicore_num", 1),
+        (1.0, 0, "op_aicore_num", 1),
+        ("2", 0, "op_aicore_num", 1),
+        (1, -1, "op_vectorcore_num", 0),
+        (1, CPU_MAX + 1, "op_vectorcore_num", 0),
+        (1, False, "op_vectorcore_num", 0),
+        (1, None, "op_vectorcore_num", 0),
+    ],
+)
+def test_values_out_of_range_name_the_argument_and_the_maximum(
+    aicore: object, vectorcore: object, name: str, lowest: int
+) -> None:
+    with pytest.raises(PolicyError) as info:
+        ngr.limit_core_num(aicore, vectorcore, device="cpu")  # type: ignore[arg-type]
+    message = str(info.value)
+    assert isinstance(info.value, ValueError)
+    assert message.startswith(f"{name}={aicore if name == 'op_aicore_num' else vectorcore!r}")
+    assert f"from {lowest} to {CPU_MAX}" in message
+
+
+def test_the_cpu_maximum_is_the_cpu_count() -> None:
+    assert ngr.max_core_num("cpu") == (CPU_MAX, CPU_MAX)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # vector cores do not apply to CPUs
+        with ngr.limit_core_num(CPU_MAX, CPU_MAX, device="cpu"):
+            assert torch.get_num_threads() == CPU_MAX
+
+
+def test_an_unsupported_device_is_refused() -> None:
+    with pytest.raises(DeviceError, match="'meta'"):
+        ngr.limit_core_num(1, 1, device="meta")
+
+
+def test_vector_cores_on_cpu_are_reported_once() -> None:
+    core_limit._warned.discard("cpu-vector")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ngr.limit_core_num(1, 1):
+            pass
+        with ngr.limit_core_num(1, 2):
+            pass
+    messages = [str(w.message) for w in caught if "op_vectorcore_num" in str(w.message)]
+    assert len(messages) == 1 and "does not apply" in messages[0]
+
+
+def _mlp_with_scope(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    h = torch.relu(x @ w1)
+    with ngr.limit_core_num(1, 0):
+        h = torch.tanh(h @ w2)
+    return h.sum(dim=-1)
+
+
+def test_compiled_fullgraph_keeps_the_scope_ops_in_order() -> None:
+    graphs: list[torch.fx.GraphModule] = []
+
+    def fw(gm: torch.fx.GraphModule, example_inputs: object) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    torch.manual_seed(0)
+    args = (torch.randn(8, 32), torch.randn(32, 64), torch.randn(64, 16))
+    compiled = torch.compile(_mlp_with_scope, backend=aot_autograd(fw_compiler=fw), fullgraph=True)
+    torch.testing.assert_close(compiled(*args), _mlp_with_scope(*args))
+
+    nodes = [n for n in graphs[0].graph.nodes if n.op == "call_function"]
+    targets = [n.target for n in nodes]
+    enter = targets.index(torch.ops.npugraph_ex.scope_enter.default)
+    leave = targets.index(torch.ops.npugraph_ex.scope_exit.default)
+    assert nodes[enter].args == (["_op_aicore_num", "_op_vectorcore_num"], ["1", "0"])
+    mms = [i for i, t in enumerate(targets) if t == torch.ops.aten.mm.default]
+    tanh = targets.index(torch.ops.aten.tanh.default)
+    assert mms[0] < enter < mms[1] < tanh < leave  # the second matmul and tanh are inside
+
+
+def test_compiled_with_aot_eager_equals_eager_and_leaves_threads_alone() -> None:
+    torch.manual_seed(1)
+    args = (torch.randn(4, 32), torch.randn(32, 64), torch.randn(64, 16))
+    before = torch.get_num_threads()
+    compiled = torch.compile(_mlp_with_scope, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(*args), _mlp_with_scope(*args))
+    assert torch.get_num_threads() == before
+    assert ngr.current_scope() == {}
+
+
+def test_compiled_values_out_of_range_are_refused_with_the_argument_named() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        with ngr.limit_core_num(CPU_MAX + 1, 0):
+            return x + 1
+
+    with pytest.raises(Exception, match="op_aicore_num"):
+        torch.compile(fn, backend="aot_eager", fullgraph=True)(torch.ones(2))
