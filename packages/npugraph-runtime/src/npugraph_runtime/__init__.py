@@ -6,6 +6,7 @@ from npugraph_runtime import ops
 from npugraph_runtime.__about__ import __version__
 from npugraph_runtime.core_limit import current_core_limit, limit_core_num, max_core_num
 from npugraph_runtime.devices.base import DeviceGraph, PoolHandle
+from npugraph_runtime.devices.cpu import CpuGraph
 from npugraph_runtime.errors import (
     CaptureError,
     CrossStreamWarning,
@@ -13,27 +14,39 @@ from npugraph_runtime.errors import (
     NpugraphError,
     PolicyError,
 )
+from npugraph_runtime.graphs import Graph, graph, graph_pool_handle, pool_bytes, synchronize
 from npugraph_runtime.ops import current_scope, register_user_stream, user_stream
 from npugraph_runtime.spec import CapturePolicy, InputSpec, OutputSpec, SlotKind
+from npugraph_runtime.streams import Event, Stream, current_stream, stream
 
 __all__ = [
     "CaptureError",
     "CapturePolicy",
+    "CpuGraph",
     "CrossStreamWarning",
     "DeviceError",
     "DeviceGraph",
+    "Event",
+    "Graph",
     "InputSpec",
     "NpugraphError",
     "OutputSpec",
     "PolicyError",
     "PoolHandle",
     "SlotKind",
+    "Stream",
     "__version__",
     "current_core_limit",
     "current_scope",
+    "current_stream",
+    "graph",
+    "graph_pool_handle",
     "limit_core_num",
     "max_core_num",
     "ops",
+    "pool_bytes",
     "register_user_stream",
+    "stream",
+    "synchronize",
     "user_stream",
 ]

@@ -3,7 +3,10 @@ A torch upgrade is a change to this file only."""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
 
 
 # --- ops.py: keep marker ops through FX dead-code elimination ----------------------------------
@@ -17,3 +20,53 @@ def mark_side_effectful(op: Any) -> None:
         register(op)
     else:
         fx_node._side_effectful_functions.add(op)
+
+
+# --- devices/cpu*.py, pool.py: the emulated CPU device graph ------------------------------------
+# Checked on torch 2.13.0 and 2.11: ``torch.utils._python_dispatch.TorchDispatchMode`` is the base
+# class of dispatch modes (a thread-local mode stack, entered with ``with``).
+from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode  # noqa: E402
+
+
+def op_entry(overload: Any) -> Callable[..., Any]:
+    """Checked on torch 2.13.0: ``OpOverload._op`` is the C++ operator handle that
+    ``OpOverload.__call__`` forwards to; calling it directly skips one Python frame."""
+    return cast(Callable[..., Any], getattr(overload, "_op", overload))
+
+
+def public_op_namespaces() -> tuple[Any, ...]:
+    """Checked on torch 2.13.0 and 2.11: the Python-arg-parser bindings behind ``torch.*``,
+    ``torch.nn.functional``, ``torch.special``, ``torch.linalg`` and ``torch.fft`` (the fastest way
+    to call an ATen op with ``out=``), by ATen name."""
+    names = ("_VariableFunctions", "_nn", "_special", "_linalg", "_fft")
+    return tuple(getattr(torch._C, n) for n in names if hasattr(torch._C, n))
+
+
+def set_grad_enabled_fn() -> Callable[[bool], None]:
+    """Checked on torch 2.13.0 and 2.11: ``torch._C._set_grad_enabled`` flips grad mode without the
+    context-manager object that ``torch.set_grad_enabled`` builds."""
+    fn = getattr(torch._C, "_set_grad_enabled", None)
+    if fn is None:  # pragma: no cover
+
+        def fallback(mode: bool) -> None:
+            torch.set_grad_enabled(mode)
+
+        return fallback
+    return cast(Callable[[bool], None], fn)
+
+
+def storage_weak_ref(storage: torch.UntypedStorage) -> Any:
+    """Checked on torch 2.13.0 and 2.11: ``torch.multiprocessing.reductions.StorageWeakRef`` (a weak
+    reference to the C++ storage, not to its Python object)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(storage)  # type: ignore[no-untyped-call]
+
+
+def storage_from_weak_ref(ref: Any) -> torch.UntypedStorage | None:
+    """Checked on torch 2.13.0 and 2.11: ``UntypedStorage._new_with_weak_ptr`` turns a live weak
+    storage reference back into a storage. None when the storage is gone."""
+    if ref.expired():
+        return None
+    storage: torch.UntypedStorage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)  # type: ignore[attr-defined]
+    return storage

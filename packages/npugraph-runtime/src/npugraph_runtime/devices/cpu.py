@@ -1,0 +1,265 @@
+"""The emulated CPU device graph.
+
+``CpuGraph`` has the semantics of a CUDA graph on the CPU: a capture runs the function once and
+records every ATen op; a replay re-issues those ops into the same storages, reading the static
+inputs' current values and overwriting the captured outputs in place, with no Python per op.
+
+What the user must guarantee (as with CUDA graphs):
+
+* tensors used by the captured function keep their storage: write new data into the static input
+  tensors (``copy_``) instead of passing new tensors; outputs are overwritten by the next replay;
+* the function does not depend on tensor values read on the host (``.item()``, ``nonzero``, data
+  dependent Python control flow), nor on random numbers: such ops are refused (modes "global",
+  "thread_local") or frozen to their captured values (mode "relaxed");
+* graphs that share a pool are never replayed concurrently, and one graph is replayed by one
+  thread at a time.
+
+Difference from CUDA: torch dispatch modes are thread-local, so only the capturing thread's ops are
+recorded and checked; "global" and "thread_local" behave the same, and ops other threads run during
+the capture are neither recorded nor refused. The capture applies no side effects: storages that
+existed before the capture and were written during it are restored when it ends."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import Any
+
+import torch
+
+from npugraph_runtime import _compat
+from npugraph_runtime.devices.base import PoolHandle
+from npugraph_runtime.devices.cpu_recorder import Recorder, TensorEntry
+from npugraph_runtime.devices.cpu_replay import generate
+from npugraph_runtime.devices.cpu_streams import (
+    CpuEvent,
+    CpuStream,
+    current_cpu_stream,
+    set_cpu_stream,
+    set_event_hooks,
+)
+from npugraph_runtime.errors import CaptureError, DeviceError, PolicyError
+from npugraph_runtime.pool import (
+    Block,
+    CpuPool,
+    Lifetime,
+    cpu_pool,
+    cpu_pool_bytes,
+    new_cpu_pool_handle,
+)
+
+CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
+_CPU = torch.device("cpu")
+
+
+class _Capturing(threading.local):
+    graph: CpuGraph | None = None
+
+
+_CAPTURING = _Capturing()
+
+
+def _check_mode(capture_error_mode: str) -> None:
+    if capture_error_mode not in CAPTURE_ERROR_MODES:
+        raise PolicyError(
+            f"capture_error_mode={capture_error_mode!r} is not allowed: use 'global', "
+            "'thread_local' or 'relaxed'"
+        )
+
+
+class CpuGraph:
+    """A device graph on the CPU (see the module docstring for what the user must guarantee)."""
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        if device is not None and torch.device(device).type != "cpu":
+            raise DeviceError(f"CpuGraph got device={device!r}; it captures 'cpu' only")
+        self.device = _CPU
+        self._handle: PoolHandle = new_cpu_pool_handle()
+        self._recorder: Recorder | None = None
+        self._pool: CpuPool | None = None
+        self._claims: list[Block] = []
+        self._replay: Any = None
+        self._issued = 0
+        self._tensors: list[TensorEntry] = []
+
+    # --- capture -------------------------------------------------------------------------------
+    def capture_begin(self, pool: PoolHandle | None = None, capture_error_mode: str = "global") -> None:
+        """Start recording the ops this thread runs. ``pool``: share memory with the other graphs
+        captured into it (from ``graph_pool_handle("cpu")`` or another graph's ``pool()``)."""
+        _check_mode(capture_error_mode)
+        if self._recorder is not None:
+            raise CaptureError("capture_begin() called on a graph that is already capturing")
+        if _CAPTURING.graph is not None:
+            raise CaptureError(
+                "capture_begin() called while another graph is capturing in this thread: "
+                "captures cannot nest; end the other capture first"
+            )
+        if pool is not None:
+            if not isinstance(pool, PoolHandle) or pool.device.type != "cpu":
+                raise DeviceError(
+                    f"pool={pool!r} is not a cpu pool: give a handle from graph_pool_handle('cpu')"
+                )
+            self._handle = pool
+        if self._replay is not None:
+            self._release()
+        self._pool = cpu_pool(self._handle)
+        recorder = Recorder(capture_error_mode)
+        recorder.__enter__()  # type: ignore[no-untyped-call]
+        self._recorder = recorder
+        set_event_hooks(recorder)
+        _CAPTURING.graph = self
+
+    def _stop_recording(self) -> Recorder:
+        recorder = self._recorder
+        if recorder is None:
+            raise CaptureError("capture_end() called without capture_begin()")
+        try:
+            recorder.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        finally:
+            self._recorder = None
+            set_event_hooks(None)
+            _CAPTURING.graph = None
+        return recorder
+
+    def abort_capture(self) -> None:
+        """End a capture without keeping it (the function raised): writes are undone and the
+        graph is left uncaptured."""
+        recorder = self._stop_recording()
+        recorder.restore()
+        self._pool = None
+
+    def capture_end(self) -> None:
+        recorder = self._stop_recording()
+        recorder.restore()
+        if recorder.error is not None:
+            self._pool = None
+            raise CaptureError(f"the capture was aborted: {recorder.error}") from recorder.error
+        if recorder.frozen:
+            names = ", ".join(dict.fromkeys(recorder.frozen))
+            warnings.warn(
+                f"capture_error_mode='relaxed': every replay repeats the values captured for "
+                f"{names} instead of recomputing them",
+                UserWarning,
+                stacklevel=2,
+            )
+        assert self._pool is not None
+        self._claims = _place_intermediates(recorder, self._pool)
+        self._tensors = recorder.tensors
+        self._replay, self._issued = generate(recorder.steps, recorder.tensors)
+
+    # --- use -----------------------------------------------------------------------------------
+    def replay(self) -> None:
+        fn = self._replay
+        if fn is None:
+            raise CaptureError(
+                "replay() called on a graph that holds no capture: capture it first "
+                "(with npugraph_runtime.graph(g): ...)"
+            )
+        fn()
+
+    def reset(self) -> None:
+        """Drop the capture and release the graph's claims on its pool."""
+        if self._recorder is not None:
+            raise CaptureError("reset() called while the graph is capturing: end the capture first")
+        self._release()
+
+    def _release(self) -> None:
+        if self._pool is not None and self._claims:
+            self._pool.release(self._claims)
+        self._claims = []
+        self._pool = None
+        self._replay = None
+        self._issued = 0
+        self._tensors = []
+
+    def pool(self) -> PoolHandle:
+        return self._handle
+
+    def recorded_ops(self) -> int:
+        """How many ops a replay issues (views and allocations are not re-issued)."""
+        return self._issued
+
+    def replay_source(self) -> str:
+        """The generated replay function, for debugging."""
+        return str(getattr(self._replay, "__source__", ""))
+
+
+def _place_intermediates(recorder: Recorder, pool: CpuPool) -> list[Block]:
+    """Move the capture's dead intermediates into the pool and rebuild their tensors there.
+
+    A produced storage is an intermediate when nothing but the recording holds it once the
+    recording lets go: the recorder drops its strong references (keeping weak ones) and looks at
+    what survived; survivors are outputs (or held by the user) and stay where they are."""
+    tensors, storages = recorder.tensors, recorder.storages
+    weak: dict[int, Any] = {}
+    for si, st in enumerate(storages):
+        if st.produced and not st.pinned and st.nbytes > 0 and st.obj is not None:
+            weak[si] = _compat.storage_weak_ref(st.obj)
+            st.obj = None
+    for entry in tensors:
+        if entry.storage in weak:
+            entry.obj = None
+    recorder.clear_index()
+
+    dead: list[int] = []
+    home: dict[int, tuple[torch.UntypedStorage, int]] = {}
+    for si, ref in weak.items():
+        alive = _compat.storage_from_weak_ref(ref)
+        if alive is None:
+            dead.append(si)
+        else:
+            storages[si].obj = alive
+            home[si] = (alive, 0)
+    placements = pool.plan([Lifetime(storages[si].nbytes, storages[si].first, storages[si].last) for si in dead])
+    for si, placed in zip(dead, placements, strict=True):
+        home[si] = (placed.block.storage, placed.offset)
+    for entry in tensors:
+        if entry.obj is None:
+            storage, offset = home[entry.storage]
+            itemsize = torch.empty((), dtype=entry.dtype).element_size()
+            entry.obj = torch.empty(0, dtype=entry.dtype).set_(
+                storage, offset // itemsize + entry.offset, entry.size, entry.stride
+            )
+    return [p.block for p in placements]
+
+
+class CpuBackend:
+    """DeviceBackend and StreamBackend of the CPU."""
+
+    type = "cpu"
+
+    def new_graph(self, device: torch.device) -> CpuGraph:
+        return CpuGraph(device)
+
+    def graph_pool_handle(self, device: torch.device) -> PoolHandle:
+        return new_cpu_pool_handle()
+
+    def pool_bytes(self, pool: PoolHandle) -> int:
+        return cpu_pool_bytes(pool)
+
+    def synchronize(self, device: torch.device) -> None:
+        """CPU work is done when Python regains control."""
+
+    def capabilities(self, device: torch.device) -> dict[str, object]:
+        return {
+            "graphs": "emulated (dispatch-mode recording, generated replay)",
+            "pools": True,
+            "streams": "logical (ordering checked at capture)",
+            "capture_error_modes": CAPTURE_ERROR_MODES,
+            "core_limit": "intra-op threads",
+            "threads": torch.get_num_threads(),
+        }
+
+    def new_stream(self, device: torch.device) -> CpuStream:
+        return CpuStream()
+
+    def current_stream(self, device: torch.device) -> CpuStream:
+        return current_cpu_stream()
+
+    def set_stream(self, stream: Any) -> None:
+        if not isinstance(stream, CpuStream):
+            raise DeviceError(f"set_stream got {stream!r}: the cpu device takes a cpu Stream")
+        set_cpu_stream(stream)
+
+    def new_event(self, device: torch.device) -> CpuEvent:
+        return CpuEvent()

@@ -1,0 +1,343 @@
+"""Recording a CPU capture: a dispatch mode that runs every ATen op once, decides how it will be
+re-issued at replay, and keeps every tensor it sees alive until the capture ends.
+
+Dispatch modes are thread-local in torch: ops that other threads run during a capture are neither
+recorded nor refused (a CUDA capture in "global" mode would refuse some of them)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from npugraph_runtime._compat import TorchDispatchMode
+from npugraph_runtime.devices.cpu_kernels import (
+    Kind,
+    choose_out_kernel,
+    inplace_method_name,
+    is_allocation,
+    overload_name,
+    verify_inplace_method,
+    write_positions,
+)
+from npugraph_runtime.devices.cpu_streams import (
+    CpuEvent,
+    CpuStream,
+    HazardTracker,
+    current_cpu_stream,
+)
+from npugraph_runtime.errors import CaptureError, CrossStreamWarning, DeviceError, NpugraphError
+
+_CPU = torch.device("cpu")
+
+_UNSAFE_TAGS: tuple[tuple[str, str], ...] = (
+    ("data_dependent_output", "reads a tensor's value on the host (a host synchronisation)"),
+    ("dynamic_output_shape", "has an output shape that depends on the data"),
+    ("nondeterministic_seeded", "draws random numbers, which a replay would not redraw"),
+    ("cudagraph_unsafe", "is marked unsafe for device-graph capture"),
+)
+_UNSAFE_NAMES = {
+    "aten::is_nonzero": "reads a tensor's value on the host (a host synchronisation)",
+    "aten::set_.source_Storage": "swaps a tensor's storage",
+    "aten::set_.source_Storage_storage_offset": "swaps a tensor's storage",
+    "aten::set_.source_Tensor": "swaps a tensor's storage",
+    "aten::set_.default": "swaps a tensor's storage",
+}
+_COPY_OPS = frozenset({"aten::_to_copy", "aten::copy_", "aten::to.device", "aten::_copy_from"})
+
+
+class TRef:
+    """A recorded tensor, by its index in ``Recorder.tensors``."""
+
+    __slots__ = ("i",)
+
+    def __init__(self, i: int) -> None:
+        self.i = i
+
+
+@dataclass(slots=True, eq=False)
+class TensorEntry:
+    obj: torch.Tensor | None
+    storage: int
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+
+
+@dataclass(slots=True, eq=False)
+class StorageEntry:
+    obj: torch.UntypedStorage | None
+    produced: bool  # first seen as the output of a recorded op
+    first: int
+    last: int
+    nbytes: int
+    pinned: bool = False  # never pooled, never dropped (frozen results, unusual layouts)
+
+
+@dataclass(slots=True, eq=False)
+class Step:
+    func: Any
+    kind: Kind
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    outs: tuple[tuple[tuple[int, ...], TRef], ...] = ()  # (path into the result, tensor)
+    call: Any = None
+    out_names: tuple[str, ...] = ()
+    method: str = ""
+    saved: tuple[tuple[TRef, torch.Tensor], ...] = ()  # FROZEN: values to copy back
+
+
+def _leaves(value: Any, path: tuple[int, ...] = ()) -> Iterator[tuple[tuple[int, ...], Any]]:
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            yield from _leaves(v, (*path, i))
+    else:
+        yield path, value
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return (
+        t.layout == torch.strided
+        and not t.is_conj()
+        and not t.is_neg()
+        and not t.is_quantized
+        and t.device == _CPU
+    )
+
+
+def _exact_copy(t: torch.Tensor) -> torch.Tensor:
+    c = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)
+    c.copy_(t)
+    return c
+
+
+class Recorder(TorchDispatchMode):  # type: ignore[misc]
+    """Records the ops of one capture. Created by ``CpuGraph.capture_begin``."""
+
+    def __init__(self, mode: str) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.mode = mode
+        self.steps: list[Step] = []
+        self.tensors: list[TensorEntry] = []
+        self.storages: list[StorageEntry] = []
+        self.error: NpugraphError | None = None
+        self.frozen: list[str] = []
+        self.hazards = HazardTracker()
+        self.hazard_reported = False
+        self._tensor_ix: dict[int, int] = {}
+        self._storage_ix: dict[int, int] = {}
+        self._snapshots: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+
+    # --- bookkeeping ---------------------------------------------------------------------------
+    def _ref(self, t: torch.Tensor, index: int, produced: bool = False) -> int:
+        i = self._tensor_ix.get(id(t))
+        if i is not None:
+            self.storages[self.tensors[i].storage].last = index
+            return i
+        st = t.untyped_storage()
+        si = self._storage_ix.get(id(st))
+        if si is None:
+            si = len(self.storages)
+            self._storage_ix[id(st)] = si
+            self.storages.append(StorageEntry(st, produced, index, index, st.nbytes()))
+        entry = self.storages[si]
+        entry.last = index
+        if not _plain(t):
+            entry.pinned = True
+        i = len(self.tensors)
+        self._tensor_ix[id(t)] = i
+        self.tensors.append(
+            TensorEntry(t, si, t.dtype, tuple(t.size()), tuple(t.stride()), int(t.storage_offset()))
+        )
+        return i
+
+    def _conv(self, value: Any, index: int) -> Any:
+        if isinstance(value, torch.Tensor):
+            return TRef(self._ref(value, index))
+        if isinstance(value, list):
+            return [self._conv(v, index) for v in value]
+        if isinstance(value, tuple):
+            return tuple(self._conv(v, index) for v in value)
+        return value
+
+    def _storage_of(self, t: torch.Tensor) -> int | None:
+        return self._storage_ix.get(id(t.untyped_storage()))
+
+    def _snapshot(self, t: torch.Tensor) -> None:
+        """Keep a copy of a pre-existing storage before the capture first writes it."""
+        si = self._storage_of(t)
+        if si is not None and self.storages[si].produced:
+            return
+        st = t.untyped_storage()
+        if id(st) not in self._snapshots:
+            self._snapshots[id(st)] = (st, st.clone())  # type: ignore[no-untyped-call]
+
+    def clear_index(self) -> None:
+        """Forget the id-based lookups (they keep no tensor alive, but ids are reused later)."""
+        self._tensor_ix.clear()
+        self._storage_ix.clear()
+
+    def restore(self) -> None:
+        """Undo every write the capture made to storages that existed before it."""
+        for st, saved in self._snapshots.values():
+            st.copy_(saved)
+        self._snapshots.clear()
+
+    def fail(self, error: NpugraphError) -> None:
+        if self.error is None:
+            self.error = error
+            self.restore()
+
+    # --- events (called through cpu_streams hooks) --------------------------------------------
+    def event_record(self, event: CpuEvent, stream: CpuStream) -> None:
+        if self.error is None:
+            self.hazards.record(event, stream)
+
+    def event_wait(self, event: CpuEvent, stream: CpuStream) -> None:
+        if self.error is None:
+            self.hazards.wait(event, stream)
+
+    # --- the dispatch hook ---------------------------------------------------------------------
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if self.error is not None:
+            return func(*args, **kwargs)
+        try:
+            return self._record(func, args, kwargs)
+        except NpugraphError as e:
+            self.fail(e)
+            raise
+
+    def _unsafe_reason(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        name = overload_name(func)
+        tags = func.tags
+        for tag_name, why in _UNSAFE_TAGS:
+            tag = getattr(torch.Tag, tag_name, None)
+            if tag is not None and tag in tags:
+                return why
+        reason = _UNSAFE_NAMES.get(name)
+        if reason is not None:
+            return reason
+        if str(func._schema.name) in _COPY_OPS or name in _COPY_OPS:
+            devices = {t.device for t in _tensors((args, tuple(kwargs.values())))}
+            target = kwargs.get("device")
+            if target is not None:
+                devices.add(torch.device(target))
+            if len(devices) > 1:
+                return "copies between devices (" + ", ".join(sorted(map(str, devices))) + ")"
+        return None
+
+    def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        index = len(self.steps)
+        name = str(func)
+        reason = self._unsafe_reason(func, args, kwargs)
+        if reason is not None and self.mode != "relaxed":
+            raise CaptureError(
+                f"{name} cannot be captured: it {reason}. Move it out of the captured region, or "
+                f"capture with capture_error_mode='relaxed' to let replays repeat the value it "
+                f"produced during capture (mode is {self.mode!r})"
+            )
+        inputs = list(_tensors((args, tuple(kwargs.values()))))
+        if reason is None:
+            for t in inputs:
+                if t.device != _CPU:
+                    raise DeviceError(
+                        f"{name} got a tensor on {t.device} while capturing a cpu graph: a graph "
+                        f"captures one device; move every tensor the function uses to cpu"
+                    )
+        positions, names = write_positions(func)
+        written = [t for i in positions if i < len(args) for t in _tensors(args[i])]
+        written += [t for n in names for t in _tensors(kwargs.get(n))]
+        for t in written:
+            if t.device == _CPU:
+                self._snapshot(t)
+        method = None
+        before = None
+        if reason is None and written:
+            method = inplace_method_name(func, args)
+            if method is not None:
+                self_storage = args[0].untyped_storage()
+                if all(t.untyped_storage() is not self_storage for t in inputs[1:]):
+                    before = _exact_copy(args[0])
+        result = func(*args, **kwargs)
+        leaves = [(p, v) for p, v in _leaves(result) if isinstance(v, torch.Tensor)]
+        if reason is None:
+            for _, t in leaves:
+                if t.device != _CPU:
+                    raise DeviceError(
+                        f"{name} produced a tensor on {t.device} while capturing a cpu graph: "
+                        f"a graph captures one device"
+                    )
+        metadata_only = torch.Tag.inplace_view in func.tags
+        if metadata_only:
+            # the tensor's metadata changed: later ops must see the new view, earlier ones the old
+            for t in written:
+                self._tensor_ix.pop(id(t), None)
+
+        args_r = self._conv(args, index)
+        kwargs_r = {k: self._conv(v, index) for k, v in kwargs.items()}
+        in_storages = {self._storage_of(t) for t in inputs}
+        known_before = len(self.storages)
+        outs = tuple((p, TRef(self._ref(t, index, produced=True))) for p, t in leaves)
+        fresh = tuple(
+            (p, r) for p, r in outs if self.tensors[r.i].storage >= known_before
+        )
+        step = Step(func, Kind.SKIP, args_r, kwargs_r, outs)
+
+        if reason is not None:
+            self.frozen.append(name)
+            step.kind = Kind.FROZEN
+            targets = [t for _, t in leaves] + written
+            step.saved = tuple(
+                (TRef(self._ref(t, index)), _exact_copy(t)) for t in targets if _plain(t)
+            )
+            for t in targets:
+                si = self._storage_of(t)
+                if si is not None and self.storages[si].produced:
+                    self.storages[si].pinned = True
+        elif metadata_only:
+            step.kind = Kind.SKIP  # replays see the recorded view; re-issuing would apply it twice
+        elif written:
+            if (
+                method is not None
+                and before is not None
+                and verify_inplace_method(method, before, args[0], args, kwargs)
+            ):
+                step.kind, step.method = Kind.INPLACE_METHOD, method
+            else:
+                step.kind = Kind.AS_IS
+                step.outs = fresh
+        elif func.namespace == "_c10d_functional" and fresh:
+            step.kind, step.outs = Kind.COLLECTIVE, fresh
+        elif not fresh or is_allocation(func):
+            step.kind = Kind.SKIP  # views (every result aliases an input), non-tensor results
+        elif len(fresh) == len(outs):
+            tensors = [t for _, t in leaves]
+            step.kind, step.call, step.out_names = choose_out_kernel(func, args, kwargs, tensors)
+        else:
+            step.kind, step.outs = Kind.COPY, fresh
+        self.steps.append(step)
+
+        if step.kind is not Kind.SKIP and not self.hazard_reported:
+            writes = {self.tensors[r.i].storage for _, r in fresh}
+            writes |= {s for s in (self._storage_of(t) for t in written) if s is not None}
+            reads = {s for s in in_storages if s is not None} - writes
+            problem = self.hazards.access(index, name, current_cpu_stream(), reads, writes)
+            if problem is not None:
+                self.hazard_reported = True
+                warnings.warn(problem, CrossStreamWarning, stacklevel=2)
+        return result
