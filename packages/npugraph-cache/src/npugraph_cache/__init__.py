@@ -1,5 +1,39 @@
-"""npugraph-cache."""
+"""npugraph-cache: on-disk compile artifacts (format, keys, store) and cache_compile.
+
+Depends on torch only; the compiler (backend, options hash, pass identities) is injected by the
+caller through ``compile_fn`` and ``key_extra``.
+"""
 
 from npugraph_cache.__about__ import __version__
+from npugraph_cache.compile_cache import (
+    CacheCompiledFunction,
+    CacheWarning,
+    CompileFn,
+    cache_compile,
+    eager_compile_fn,
+)
+from npugraph_cache.format import FORMAT_VERSION, FormatError
+from npugraph_cache.keys import CacheKey, build_key, model_info, rank_component
+from npugraph_cache.readable import readable_cache
+from npugraph_cache.rng import RngGraphError
+from npugraph_cache.store import DEFAULT_CACHE_DIR, CacheEntryError, CacheStore
 
-__all__ = ["__version__"]
+__all__ = [
+    "DEFAULT_CACHE_DIR",
+    "FORMAT_VERSION",
+    "CacheCompiledFunction",
+    "CacheEntryError",
+    "CacheKey",
+    "CacheStore",
+    "CacheWarning",
+    "CompileFn",
+    "FormatError",
+    "RngGraphError",
+    "__version__",
+    "build_key",
+    "cache_compile",
+    "eager_compile_fn",
+    "model_info",
+    "rank_component",
+    "readable_cache",
+]

@@ -1,0 +1,347 @@
+"""cache_compile: compile a module's method once, keep it on disk, load it in later processes.
+
+The first process traces the method with dynamo (fullgraph), compiles it with the given backend
+and saves torch's ahead-of-time compiled function, guards included, into our versioned format.
+Later processes load it: no dynamo tracing, no AOT autograd, no passes; the guards still check
+every call, and a call the entries' guards reject compiles (and saves) a new entry.
+"""
+
+from __future__ import annotations
+
+import datetime
+import inspect
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from npugraph_cache import _compat
+from npugraph_cache.__about__ import __version__
+from npugraph_cache.format import encode
+from npugraph_cache.keys import CacheKey, build_key, model_info, rank_component, stable_value
+from npugraph_cache.rng import RngGraphError, refuse_rng
+from npugraph_cache.store import CacheEntryError, CacheStore, check_owned
+
+Backend = Callable[[torch.fx.GraphModule, list[Any]], Any]
+CompileFn = Callable[[Mapping[str, Any] | None, Mapping[Any, Any] | None], Backend]
+
+_ALLOWED_KWARGS = ("options", "custom_decompositions")
+COUNTERS = "npugraph_ex_cache"
+
+
+class CacheWarning(UserWarning):
+    """An entry was ignored (and recompiled) or could not be saved."""
+
+
+def eager_compile_fn(
+    options: Mapping[str, Any] | None, custom_decompositions: Mapping[Any, Any] | None
+) -> Backend:
+    """The torch-only default: run the dynamo graph as traced (no AOT, no passes)."""
+    if options:
+        raise ValueError(
+            f"cache_compile: options={dict(options)!r} need a compile_fn that understands them; "
+            "the default compile_fn runs the traced graph as is (use npugraph_ex.inference."
+            "cache_compile for the npugraph_ex backend)"
+        )
+    if custom_decompositions:
+        raise ValueError(
+            "cache_compile: custom_decompositions need a compile_fn that applies them; the "
+            "default compile_fn does not decompose"
+        )
+    return _eager_backend
+
+
+def _eager_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    return _compat.eager_serializable(gm)
+
+
+def _bump(name: str) -> None:
+    _compat.dynamo_counters()[COUNTERS][name] += 1
+
+
+def _detached(qualname: str) -> Callable[..., Any]:
+    def detached(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"this copy of cache_compile({qualname}) was unpickled or deep-copied and is detached "
+            "from its module and cache; call cache_compile again on the new module's method"
+        )
+
+    return detached
+
+
+class CacheCompiledFunction:
+    """The callable cache_compile returns. Calls run under ``torch.no_grad()`` (inference only).
+
+    Pickling it (dynamo pickles a module's attributes when it saves guards; so do deepcopy and
+    torch.save) gives a detached stub, never the compiled entries or the cache settings."""
+
+    def __init__(
+        self,
+        func: Callable[..., Any],
+        *,
+        dynamic: bool,
+        store: CacheStore,
+        rank: str,
+        options: Mapping[str, Any] | None,
+        custom_decompositions: Mapping[Any, Any] | None,
+        compile_fn: CompileFn,
+        key_extra: Mapping[str, Any] | None,
+    ) -> None:
+        self._method = func
+        self._module: torch.nn.Module = func.__self__  # type: ignore[attr-defined]
+        self._function: Callable[..., Any] = func.__func__  # type: ignore[attr-defined]
+        self.name: str = self._function.__name__
+        self.dynamic = dynamic
+        self.store = store
+        self.rank = rank
+        self.options = dict(options) if options is not None else None
+        self.custom_decompositions = custom_decompositions
+        self.compile_fn = compile_fn
+        self.key_extra = dict(key_extra or {})
+        self._entries: list[Any] = []
+        self.entry_paths: list[Path] = []
+        self.__wrapped__ = func
+        self.__doc__ = getattr(func, "__doc__", None)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_detached, (getattr(self._function, "__qualname__", self.name),))
+
+    @property
+    def func_dir(self) -> Path:
+        """Computed when needed: the module may still be under construction when it wraps its
+        own methods in __init__."""
+        return self.store.func_dir(model_info(self._module, self.dynamic), self.rank, self.name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call_args = (self._module, *args)
+        with torch.no_grad():
+            for compiled in self._entries:
+                if _compat.guard_check(compiled, call_args, kwargs):
+                    return compiled(*call_args, **kwargs)
+            compiled = self._obtain(args, kwargs)
+            return compiled(*call_args, **kwargs)
+
+    # --- obtaining an entry -------------------------------------------------------------------
+    def key_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> CacheKey:
+        return build_key(
+            self._method,
+            self._module,
+            args,
+            kwargs,
+            dynamic=self.dynamic,
+            options=self.options,
+            custom_decompositions=self.custom_decompositions,
+            rank=self.rank,
+            key_extra=self.key_extra,
+        )
+
+    def _obtain(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not _compat.has_aot_compile():
+            return self._compile_without_cache()
+        key = self.key_for(args, kwargs)
+        func_dir = self.func_dir
+        self.store.ensure_dir(func_dir)
+        path = self.store.entry_path(func_dir, key.digest())
+        call_args = (self._module, *args)
+        warned: set[str] = set()
+        compiled = self._try_load(path, key, call_args, kwargs, warned)
+        if compiled is None:
+            # Writers queue here; whoever comes second finds the first one's entry and loads it.
+            with self.store.lock(func_dir):
+                compiled = self._try_load(path, key, call_args, kwargs, warned)
+                if compiled is None:
+                    compiled = self._compile_and_save(path, key, args, kwargs)
+        _compat.disable_guard_check(compiled)
+        self._entries.append(compiled)
+        self.entry_paths.append(path)
+        return compiled
+
+    def _warn_once(self, warned: set[str], message: str) -> None:
+        if message not in warned:
+            warned.add(message)
+            warnings.warn(message, CacheWarning, stacklevel=4)
+
+    def _try_load(
+        self,
+        path: Path,
+        key: CacheKey,
+        call_args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        warned: set[str],
+    ) -> Any:
+        try:
+            entry = self.store.read(path)
+        except CacheEntryError as exc:
+            _bump("rejected")
+            self._warn_once(warned, f"npugraph_ex cache: ignoring {exc}; recompiling")
+            return None
+        if entry is None:
+            return None
+        stored = entry.metadata.get("key")
+        if not isinstance(stored, dict) or CacheKey(stored).digest() != key.digest():
+            _bump("rejected")
+            self._warn_once(
+                warned, f"npugraph_ex cache: ignoring {path}: its key does not match; recompiling"
+            )
+            return None
+        try:
+            compiled = _compat.load_compiled(entry.payload, self._function.__globals__)
+        except Exception as exc:  # torch raises many types here (pickle, version checks)
+            _bump("rejected")
+            self._warn_once(
+                warned,
+                f"npugraph_ex cache: ignoring {path}: cannot be loaded "
+                f"({type(exc).__name__}: {exc}); recompiling",
+            )
+            return None
+        if not _compat.guard_check(compiled, call_args, kwargs):
+            reason = _compat.guard_failure_reason(compiled, call_args, kwargs)
+            _bump("rejected")
+            self._warn_once(
+                warned,
+                f"npugraph_ex cache: ignoring {path}: its guards reject these inputs "
+                f"({reason}); recompiling",
+            )
+            return None
+        _bump("loaded")
+        return compiled
+
+    def _compile_and_save(
+        self, path: Path, key: CacheKey, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        backend = self.compile_fn(self.options, self.custom_decompositions)
+        graph_code: list[str] = []
+        qualname = getattr(self._function, "__qualname__", self.name)
+
+        def checked_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            refuse_rng(gm, qualname)
+            graph_code.append(gm.print_readable(print_output=False))
+            return backend(gm, example_inputs)
+
+        try:
+            compiled = _compat.aot_compile(
+                self._method, args, kwargs, checked_backend, self.dynamic
+            )
+        except Exception as exc:
+            cause: BaseException | None = exc
+            while cause is not None:
+                if isinstance(cause, RngGraphError):
+                    raise RngGraphError(str(cause)) from None
+                cause = cause.__cause__ or cause.__context__
+            raise
+        _bump("compiled")
+        try:
+            payload = _compat.serialize_compiled(compiled)
+        except Exception as exc:  # e.g. a backend output that does not pickle
+            warnings.warn(
+                f"npugraph_ex cache: {qualname} compiled but cannot be saved to {path} "
+                f"({type(exc).__name__}: {exc}); this process uses it without the disk cache",
+                CacheWarning,
+                stacklevel=4,
+            )
+            return compiled
+        readable = getattr(backend, "readable_code", None)
+        metadata = {
+            "key": key.fields,
+            "key_digest": key.digest(),
+            "func": qualname,
+            "module_class": key.fields["module_class"],
+            "created": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "npugraph_cache": __version__,
+            "options": stable_value(self.options or {}),
+            "input_spec": key.fields["input_spec"],
+            "dynamic": self.dynamic,
+            "rank": self.rank,
+            "graph_code": "\n".join(graph_code),
+            "compiler_code": str(readable()) if callable(readable) else "",
+        }
+        self.store.write(path, encode(metadata, payload))
+        return compiled
+
+    def _compile_without_cache(self) -> Any:
+        warnings.warn(
+            f"npugraph_ex cache: torch {torch.__version__} has no aot_compile; {self.name} is "
+            "compiled without the disk cache",
+            CacheWarning,
+            stacklevel=4,
+        )
+        backend = self.compile_fn(self.options, self.custom_decompositions)
+        compiled = torch.compile(
+            self._function, fullgraph=True, backend=backend, dynamic=self.dynamic
+        )
+        return compiled
+
+
+def cache_compile(
+    func: Callable[..., Any],
+    *,
+    dynamic: bool = True,
+    cache_dir: str | os.PathLike[str] | None = None,
+    global_rank: int | None = None,
+    tp_rank: int | None = None,
+    pp_rank: int | None = None,
+    compile_fn: CompileFn | None = None,
+    key_extra: Mapping[str, Any] | None = None,
+    **kwargs: Any,
+) -> CacheCompiledFunction:
+    """Compile ``func`` (a bound method of an ``nn.Module``) once and cache it on disk.
+
+    The user guarantees: ``func`` is traceable as one graph (fullgraph), draws no random numbers
+    (refused with RngGraphError), is not itself decorated or ``torch.compile``-d, and each method
+    holds one phase (write prompt and decode as separate methods). Calls run under no_grad.
+    Entries live in ``<cache_dir>/<model_info>/[world<W>global_rank<R>/]<func>/`` (default
+    cache_dir ``.npugraph_ex_cache``). ``compile_fn(options, custom_decompositions)`` returns the
+    dynamo backend (its result must be serializable by torch's aot_compile); ``key_extra`` is
+    what that backend adds to the key (versions, options hash, pass identities).
+    kwargs: ``options=`` and ``custom_decompositions=`` only.
+    """
+    unknown = sorted(set(kwargs) - set(_ALLOWED_KWARGS))
+    if unknown:
+        raise ValueError(
+            f"cache_compile: unknown keyword argument(s) {', '.join(map(repr, unknown))}; "
+            f"allowed: {', '.join(_ALLOWED_KWARGS)}"
+        )
+    if not inspect.ismethod(func):
+        raise ValueError(
+            f"cache_compile: func must be a bound method of an nn.Module (e.g. model.decode), "
+            f"got {type(func).__name__} {func!r}"
+        )
+    if not isinstance(func.__self__, torch.nn.Module):
+        raise ValueError(
+            f"cache_compile: func must be a method of an nn.Module, got a method of "
+            f"{type(func.__self__).__name__}"
+        )
+    if not isinstance(dynamic, bool):
+        raise ValueError(f"cache_compile: dynamic must be True or False, got {dynamic!r}")
+    for name, value in (("global_rank", global_rank), ("tp_rank", tp_rank), ("pp_rank", pp_rank)):
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value < 0
+        ):
+            raise ValueError(f"cache_compile: {name} must be an int >= 0 or None, got {value!r}")
+    options = kwargs.get("options")
+    if options is not None and not isinstance(options, Mapping):
+        raise ValueError(
+            f"cache_compile: options must be a dict or None, got {type(options).__name__}"
+        )
+    decompositions = kwargs.get("custom_decompositions")
+    if decompositions is not None and not isinstance(decompositions, Mapping):
+        raise ValueError(
+            "cache_compile: custom_decompositions must be a dict {op: function} or None, got "
+            f"{type(decompositions).__name__}"
+        )
+    store = CacheStore(cache_dir)
+    if store.root.exists():
+        check_owned(store.root, "cache_dir")
+    return CacheCompiledFunction(
+        func,
+        dynamic=dynamic,
+        store=store,
+        rank=rank_component(global_rank, tp_rank, pp_rank),
+        options=options,
+        custom_decompositions=decompositions,
+        compile_fn=compile_fn or eager_compile_fn,
+        key_extra=key_extra,
+    )

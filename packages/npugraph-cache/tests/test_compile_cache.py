@@ -1,0 +1,205 @@
+"""cache_compile: compile once, load in later processes, never a wrong result."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from npugraph_cache import CacheWarning, RngGraphError, cache_compile, readable_cache
+from npugraph_cache.cli import main as cli_main
+from npugraph_cache.format import MAGIC, decode
+from npugraph_cache.store import CacheStore
+
+WORKER = Path(__file__).with_name("cache_worker.py")
+
+
+class Block(torch.nn.Module):
+    def __init__(self, random: bool = False) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.random = random
+
+    def forward(self, x: torch.Tensor, kv: list[torch.Tensor]) -> torch.Tensor:
+        h = torch.tanh(self.linear(x)) + kv[0]
+        if self.random:
+            h = h + torch.randn_like(h)
+        return h
+
+    def decode(self, x: torch.Tensor, kv: list[torch.Tensor]) -> torch.Tensor:
+        return self.forward(x, kv)
+
+
+@pytest.fixture
+def block() -> Block:
+    torch.manual_seed(0)
+    return Block().eval()
+
+
+def _inputs(seq: int = 4) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    return torch.randn(seq, 8), [torch.randn(seq, 8)]
+
+
+def _eager(block: Block, x: torch.Tensor, kv: list[torch.Tensor]) -> torch.Tensor:
+    with torch.no_grad():
+        return block.decode(x, kv)
+
+
+def _entry(fn: Any) -> Path:
+    [path] = fn.entry_paths
+    assert isinstance(path, Path)
+    return path
+
+
+@pytest.fixture
+def cache_warnings() -> Iterator[list[warnings.WarningMessage]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield caught
+
+
+def _ours(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
+
+
+def _run_worker(cache_dir: Path, out: Path) -> subprocess.Popen[bytes]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen([sys.executable, str(WORKER), str(cache_dir), str(out)], env=env)
+
+
+def _result(proc: subprocess.Popen[bytes], out: Path) -> dict[str, Any]:
+    assert proc.wait(timeout=240) == 0
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def test_four_processes_at_once_compile_once_and_load_elsewhere(tmp_path: Path) -> None:
+    procs = [
+        (_run_worker(tmp_path / "c", tmp_path / f"{i}.json"), tmp_path / f"{i}.json")
+        for i in range(4)
+    ]
+    results = [_result(p, out) for p, out in procs]
+    assert all(r["max_error"] == 0.0 and r["warnings"] == [] for r in results)
+    assert sum(r["cache"].get("compiled", 0) for r in results) == 2  # one compile per func
+    assert sum(r["cache"].get("loaded", 0) for r in results) == 6
+    # a process that loaded both methods traced no frame with dynamo
+    assert all(r["unique_graphs"] == r["cache"].get("compiled", 0) for r in results)
+    assert any(r["cache"] == {"loaded": 2} for r in results)
+    for func in ("prompt", "decode"):
+        [folder] = list((tmp_path / "c").glob(f"Model_dynamic_*/{func}"))
+        entries = [p for p in folder.iterdir() if p.name != ".lock"]
+        assert len(entries) == 1
+        assert CacheStore.read(entries[0]) is not None
+
+
+def _corrupt_truncated(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+def _corrupt_garbage(path: Path) -> None:
+    path.write_bytes(os.urandom(4096))
+
+
+def _corrupt_old_version(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<H", data, len(MAGIC), 0)
+    path.write_bytes(bytes(data))
+
+
+def _corrupt_payload(path: Path) -> None:
+    # valid header and checksum around a payload torch cannot load
+    entry = decode(path.read_bytes())
+    from npugraph_cache.format import encode
+
+    path.write_bytes(encode(entry.metadata, b"\x80\x04not a compiled function"))
+
+
+@pytest.mark.parametrize(
+    "corrupt", [_corrupt_truncated, _corrupt_garbage, _corrupt_old_version, _corrupt_payload]
+)
+def test_broken_entry_warns_once_recompiles_and_matches_eager(
+    tmp_path: Path,
+    block: Block,
+    corrupt: Callable[[Path], None],
+    cache_warnings: list[warnings.WarningMessage],
+) -> None:
+    x, kv = _inputs()
+    first = cache_compile(block.decode, cache_dir=tmp_path)
+    first(x, kv)
+    path = _entry(first)
+    corrupt(path)
+    os.chmod(path, 0o600)
+    again = cache_compile(block.decode, cache_dir=tmp_path)
+    torch.testing.assert_close(again(x, kv), _eager(block, x, kv), rtol=0, atol=0)
+    [message] = _ours(cache_warnings)
+    assert str(path) in message and "recompiling" in message
+    assert CacheStore.read(path) is not None  # rewritten whole
+
+
+def test_entry_whose_guards_fail_is_recompiled(
+    tmp_path: Path, block: Block, cache_warnings: list[warnings.WarningMessage]
+) -> None:
+    x, kv = _inputs()
+    cache_compile(block.decode, cache_dir=tmp_path)(x, kv)
+    torch.use_deterministic_algorithms(True)  # global state dynamo guards on, not in the key
+    try:
+        again = cache_compile(block.decode, cache_dir=tmp_path)
+        torch.testing.assert_close(again(x, kv), _eager(block, x, kv))
+    finally:
+        torch.use_deterministic_algorithms(False)
+    [message] = _ours(cache_warnings)
+    assert "guards reject" in message
+
+
+def test_other_dtype_gives_another_entry(tmp_path: Path, block: Block) -> None:
+    fn = cache_compile(block.decode, cache_dir=tmp_path)
+    x, kv = _inputs()
+    fn(x, kv)
+    block64 = block.double()
+    x64, kv64 = x.double(), [kv[0].double()]
+    torch.testing.assert_close(fn(x64, kv64), _eager(block64, x64, kv64))
+    assert len(set(fn.entry_paths)) == 2
+
+
+def test_graph_with_random_ops_is_refused(tmp_path: Path) -> None:
+    fn = cache_compile(Block(random=True).decode, cache_dir=tmp_path)
+    with pytest.raises(RngGraphError, match="random numbers"):
+        fn(*_inputs())
+
+
+def test_unknown_keyword_is_a_value_error_naming_it(block: Block) -> None:
+    with pytest.raises(ValueError, match="'ge_cache'"):
+        cache_compile(block.decode, ge_cache=True)
+
+
+def test_plain_function_is_refused() -> None:
+    with pytest.raises(ValueError, match="bound method of an nn.Module"):
+        cache_compile(lambda x: x)
+
+
+def test_readable_cache_and_cli_show_the_graph_and_key(
+    tmp_path: Path, block: Block, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fn = cache_compile(block.decode, cache_dir=tmp_path / "c")
+    fn(*_inputs())
+    path = _entry(fn)
+    text = readable_cache(path, print_output=False, file=tmp_path / "out.txt")
+    assert "Block.decode" in text and "tanh" in text and "input spec" in text
+    assert "forward_source" in text and "torch:" in text
+    assert (tmp_path / "out.txt").read_text() == text
+    assert cli_main(["show", str(path)]) == 0
+    assert capsys.readouterr().out == text
+    assert cli_main(["ls", str(tmp_path / "c")]) == 0
+    assert "1 entry" in capsys.readouterr().out
+    assert cli_main(["clear", str(tmp_path / "c")]) == 0
+    assert not path.exists()
