@@ -15,7 +15,6 @@ import sys
 import warnings
 
 import torch
-
 from npugraph_cache import cache_compile
 
 

@@ -14,7 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from npugraph_cache import CacheWarning, RngGraphError, cache_compile, readable_cache
 from npugraph_cache.cli import main as cli_main
 from npugraph_cache.format import MAGIC, decode
@@ -183,7 +182,7 @@ def test_unknown_keyword_is_a_value_error_naming_it(block: Block) -> None:
 
 
 def test_plain_function_is_refused() -> None:
-    with pytest.raises(ValueError, match="bound method of an nn.Module"):
+    with pytest.raises(ValueError, match=r"bound method of an nn\.Module"):
         cache_compile(lambda x: x)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import struct
 
 import pytest
-
 from npugraph_cache.format import FORMAT_VERSION, HEADER_SIZE, MAGIC, FormatError, decode, encode
 
 
@@ -19,7 +18,7 @@ def test_roundtrip_keeps_metadata_and_payload() -> None:
 @pytest.mark.parametrize("keep", [0, HEADER_SIZE - 1, HEADER_SIZE + 3, -1])
 def test_truncated_entry_is_refused(keep: int) -> None:
     data = encode({"a": 1}, b"x" * 100)
-    with pytest.raises(FormatError, match="truncated|shorter"):
+    with pytest.raises(FormatError, match=r"truncated|shorter"):
         decode(data[:keep] if keep >= 0 else data[:-1])
 
 

@@ -6,7 +6,6 @@ import dataclasses
 from typing import Any
 
 import torch
-
 from npugraph_cache.keys import build_key, input_spec, rank_component
 
 

@@ -7,7 +7,6 @@ import stat
 from pathlib import Path
 
 import pytest
-
 from npugraph_cache.format import encode
 from npugraph_cache.store import CacheEntryError, CacheStore, clear, iter_entries
 
