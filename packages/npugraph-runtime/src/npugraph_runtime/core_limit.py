@@ -19,7 +19,6 @@ import functools
 import os
 import threading
 import warnings
-from collections.abc import Callable
 from types import TracebackType
 from typing import Any
 
@@ -84,22 +83,15 @@ def core_limit_kind(device: torch.device) -> str | None:
     return None
 
 
-_assume_constant: Callable[[Callable[[str, int], tuple[int, int]]], Callable[[str, int], tuple[int, int]]] = (
-    torch.compiler.assume_constant_result
-)
+# Read once: dynamo cannot trace os.cpu_count(), but it reads module constants.
+_CPU_COUNT = os.cpu_count() or 1
 
 
-@_assume_constant
-def _max_cores_traced(device_type: str, index: int) -> tuple[int, int]:
-    # dynamo cannot trace os.cpu_count() or device queries; the answer never changes anyway.
-    return _max_cores(device_type, index)
-
-
-@functools.cache
 def _max_cores(device_type: str, index: int) -> tuple[int, int]:
+    # Also runs while dynamo traces limit_core_num: only calls dynamo constant-folds (CUDA device
+    # properties) or that torch_npu registers with dynamo.
     if device_type == "cpu":
-        n = os.cpu_count() or 1
-        return n, n
+        return _CPU_COUNT, _CPU_COUNT
     if device_type == "cuda":
         sms = int(torch.cuda.get_device_properties(index).multi_processor_count)
         return sms, sms
@@ -183,7 +175,7 @@ class limit_core_num:
         device: torch.device | str | None = None,
     ) -> None:
         dev = _resolve(device)
-        ai_max, vec_max = _max_cores_traced(dev.type, _index(dev))
+        ai_max, vec_max = _max_cores(dev.type, _index(dev))
         self.device = dev
         self.op_aicore_num = _check("op_aicore_num", op_aicore_num, 1, ai_max, dev)
         no_vector_cores = dev.type in ("cpu", "cuda")
