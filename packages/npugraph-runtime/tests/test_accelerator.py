@@ -3,6 +3,7 @@ GPU; they drive ``AcceleratorBackend`` directly, the way ``npugraph_runtime.grap
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import warnings
 from collections.abc import Callable, Iterator
@@ -34,6 +35,148 @@ def test_cuda_without_a_gpu_is_a_device_error() -> None:
 def test_an_unknown_module_is_a_device_error() -> None:
     with pytest.raises(DeviceError, match="'xpu'"):
         AcceleratorBackend("xpu")
+
+
+# --- the backend's own logic, over a stand-in device module --------------------------------------
+# A mock of hardware this machine lacks: it records what the backend asks torch.cuda to do, so the
+# state checks, pool bookkeeping and snapshot filtering are tested everywhere.
+class _FakeGraph:
+    def __init__(self) -> None:
+        self.calls: list[tuple[object, ...]] = []
+        self.replays = 0
+
+    def capture_begin(self, pool: object = None, capture_error_mode: str = "global") -> None:
+        self.calls.append(("capture_begin", pool, capture_error_mode))
+
+    def capture_end(self) -> None:
+        self.calls.append(("capture_end",))
+
+    def replay(self) -> None:
+        self.replays += 1
+
+    def reset(self) -> None:
+        self.calls.append(("reset",))
+
+    def pool(self) -> tuple[int, int]:
+        return (7, 0)
+
+
+class _FakeCuda:
+    CUDAGraph = _FakeGraph
+
+    def __init__(self, segments: list[dict[str, object]] | None = None,
+                 with_include_traces: bool = True) -> None:
+        self.segments = segments or []
+        self.with_include_traces = with_include_traces
+
+    def is_available(self) -> bool:
+        return True
+
+    def current_device(self) -> int:
+        return 0
+
+    def device_count(self) -> int:
+        return 2
+
+    def device(self, index: int) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+    def graph_pool_handle(self) -> tuple[int, int]:
+        return (0, 42)
+
+    def memory_snapshot(self, **kwargs: object) -> list[dict[str, object]]:
+        if kwargs and not self.with_include_traces:
+            raise TypeError("memory_snapshot() got an unexpected keyword argument")
+        return self.segments
+
+
+def _fake_backend(**kwargs: object) -> AcceleratorBackend:
+    return AcceleratorBackend("cuda", module=_FakeCuda(**kwargs))  # type: ignore[arg-type]
+
+
+def test_graph_misuse_is_refused_before_reaching_the_device() -> None:
+    graph = _fake_backend().new_graph(torch.device("cuda"))
+    with pytest.raises(CaptureError, match="never captured"):
+        graph.replay()
+    with pytest.raises(CaptureError, match="not capturing"):
+        graph.capture_end()
+    with pytest.raises(CaptureError, match="never captured"):
+        graph.pool()
+    with pytest.raises(PolicyError, match="capture_error_mode='lenient'"):
+        graph.capture_begin(capture_error_mode="lenient")
+    graph.capture_begin(capture_error_mode="relaxed")
+    with pytest.raises(CaptureError, match="capturing already"):
+        graph.capture_begin()
+    with pytest.raises(CaptureError, match="while it is capturing"):
+        graph.reset()
+    with pytest.raises(CaptureError, match="still capturing"):
+        graph.replay()
+    graph.capture_end()
+    with pytest.raises(CaptureError, match="call reset"):
+        graph.capture_begin()
+    graph.replay()
+    graph.reset()
+    with pytest.raises(CaptureError, match="never captured"):
+        graph.replay()
+    assert graph.torch_graph.calls == [("capture_begin", None, "relaxed"), ("capture_end",),
+                                       ("reset",)]
+    assert graph.torch_graph.replays == 1
+
+
+def test_a_given_pool_is_passed_to_the_device_and_reported_by_pool() -> None:
+    backend = _fake_backend()
+    device = torch.device("cuda", 1)
+    pool = backend.graph_pool_handle(device)
+    assert pool == PoolHandle(device, (0, 42))
+    graph = backend.new_graph(device)
+    graph.capture_begin(pool=pool)
+    graph.capture_end()
+    assert graph.torch_graph.calls[0] == ("capture_begin", (0, 42), "global")
+    assert graph.pool() is pool
+
+
+def test_without_a_pool_the_graph_reports_its_private_pool() -> None:
+    graph = _fake_backend().new_graph(torch.device("cuda"))
+    graph.capture_begin()
+    graph.capture_end()
+    assert graph.pool() == PoolHandle(torch.device("cuda", 0), (7, 0))
+
+
+def test_pools_of_other_devices_or_kinds_are_refused() -> None:
+    backend = _fake_backend()
+    graph = backend.new_graph(torch.device("cuda", 0))
+    with pytest.raises(DeviceError, match="cannot be used by a graph of cuda:0"):
+        graph.capture_begin(pool=PoolHandle(torch.device("cuda", 1), (0, 1)))
+    with pytest.raises(DeviceError, match="cannot be used"):
+        graph.capture_begin(pool=PoolHandle(torch.device("cpu"), 3))
+    with pytest.raises(PolicyError, match="not a cuda pool"):
+        graph.capture_begin(pool=(1, 2, 3))  # type: ignore[arg-type]
+    assert graph.torch_graph.calls == []
+
+
+def test_devices_that_do_not_exist_are_refused() -> None:
+    backend = _fake_backend()
+    with pytest.raises(DeviceError, match="has 2 cuda device"):
+        backend.new_graph(torch.device("cuda", 5))
+    with pytest.raises(DeviceError, match="given to the cuda backend"):
+        backend.new_graph(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("with_include_traces", [True, False])
+def test_pool_bytes_counts_the_segments_of_that_pool_on_that_device(
+    with_include_traces: bool,
+) -> None:
+    segments: list[dict[str, object]] = [
+        {"device": 0, "segment_pool_id": (0, 42), "total_size": 2 << 20},
+        {"device": 0, "segment_pool_id": (0, 42), "total_size": 20 << 20},
+        {"device": 1, "segment_pool_id": (0, 42), "total_size": 1 << 20},
+        {"device": 0, "segment_pool_id": (7, 0), "total_size": 4 << 20},
+        {"device": 0, "segment_pool_id": (0, 0), "total_size": 8 << 20},
+    ]
+    backend = _fake_backend(segments=segments, with_include_traces=with_include_traces)
+    assert backend.pool_bytes(PoolHandle(torch.device("cuda", 0), (0, 42))) == 22 << 20
+    assert backend.pool_bytes(PoolHandle(torch.device("cuda", 1), (0, 42))) == 1 << 20
+    assert backend.pool_bytes(PoolHandle(torch.device("cuda", 0), (9, 9))) == 0
 
 
 # --- CUDA ---------------------------------------------------------------------------------------
@@ -103,6 +246,28 @@ def test_mlp_replay_equals_eager_after_new_inputs(
         torch.cuda.synchronize()
         torch.testing.assert_close(static_out, model(x))
         assert static_out.data_ptr() == address
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs an NVIDIA GPU")
+@torch.inference_mode()
+def test_public_graph_api_captures_and_replays_on_cuda() -> None:
+    model = _mlp()
+    static_in = torch.randn(16, 256, device="cuda")
+    model(static_in)  # warm up outside the capture
+    pool = ngr.graph_pool_handle("cuda")
+    g = ngr.Graph("cuda")
+    assert isinstance(g, AcceleratorGraph)
+    with ngr.graph(g, pool=pool):
+        static_out = model(static_in)
+    assert g.pool() == pool and ngr.pool_bytes(pool) > 0
+    for seed in range(2):
+        torch.manual_seed(seed)
+        x = torch.randn(16, 256, device="cuda")
+        static_in.copy_(x)
+        g.replay()
+        ngr.synchronize("cuda")
+        torch.testing.assert_close(static_out, model(x))
 
 
 @pytest.mark.cuda

@@ -159,7 +159,7 @@ def user_stream(label: str, device: torch.device | str | None = None) -> Any:
     with _streams_lock:
         found = _user_streams.get(label)
         if found is None:
-            from npugraph_runtime.streams import Stream  # type: ignore[attr-defined]
+            from npugraph_runtime.streams import Stream
 
             found = _user_streams[label] = Stream(device)
         return found

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+
 from npugraph_runtime.core_limit import core_limit_kind
 from npugraph_runtime.devices.base import PoolHandle
 from npugraph_runtime.errors import CaptureError, DeviceError, PolicyError
@@ -139,9 +140,11 @@ class AcceleratorGraph:
 class AcceleratorBackend:
     """DeviceBackend and StreamBackend of one torch device module ("cuda" or "npu")."""
 
-    def __init__(self, module_name: str) -> None:
+    def __init__(self, module_name: str, *, module: Any = None) -> None:
+        """``module``: the torch device module to drive instead of ``torch.<module_name>`` (a
+        stand-in for hardware a test machine lacks)."""
         self.type = module_name
-        self.module = load_device_module(module_name)
+        self.module = load_device_module(module_name) if module is None else module
         if not self.module.is_available():
             raise DeviceError(
                 f"device type {module_name!r} was asked for but torch.{module_name}.is_available() "
