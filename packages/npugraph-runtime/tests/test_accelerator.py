@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import pathlib
 import warnings
 from collections.abc import Callable, Iterator
 
@@ -133,6 +134,13 @@ def test_a_given_pool_is_passed_to_the_device_and_reported_by_pool() -> None:
     graph.capture_end()
     assert graph.torch_graph.calls[0] == ("capture_begin", (0, 42), "global")
     assert graph.pool() is pool
+
+
+def test_a_raw_device_pool_is_reported_as_a_pool_handle() -> None:
+    graph = _fake_backend().new_graph(torch.device("cuda"))
+    graph.capture_begin(pool=(0, 42))  # type: ignore[arg-type]
+    graph.capture_end()
+    assert graph.pool() == PoolHandle(torch.device("cuda", 0), (0, 42))
 
 
 def test_without_a_pool_the_graph_reports_its_private_pool() -> None:
@@ -447,3 +455,18 @@ def test_limit_core_num_on_cuda_gives_eager_results(backend: AcceleratorBackend)
     with pytest.raises(PolicyError, match=f"op_aicore_num={sms + 1}.*{sms}"):
         ngr.limit_core_num(sms + 1, 0, device="cuda")
 
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs an NVIDIA GPU")
+def test_debug_dump_writes_the_captured_graph(
+    backend: AcceleratorBackend, side_stream: torch.cuda.Stream, tmp_path: pathlib.Path
+) -> None:
+    x = torch.ones(16, device="cuda")
+    graph = AcceleratorGraph(backend, torch.device("cuda"), use_accelerator_graph=False)
+    graph.enable_debug_mode()
+    with pytest.raises(CaptureError, match="never captured"):
+        graph.debug_dump(str(tmp_path / "g.dot"))
+    _capture(graph, side_stream, lambda: x * 3 + 1)
+    graph.debug_dump(str(tmp_path / "g.dot"))
+    assert (tmp_path / "g.dot").read_text().startswith("digraph")

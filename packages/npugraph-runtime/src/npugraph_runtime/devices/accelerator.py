@@ -96,7 +96,8 @@ class AcceleratorGraph:
             else:
                 self._impl.capture_begin(pool=ident, capture_error_mode=capture_error_mode)
         self._capturing = True
-        self._pool = pool
+        if pool is not None:
+            self._pool = pool if isinstance(pool, PoolHandle) else PoolHandle(self.device, ident)
 
     def capture_end(self) -> None:
         if not self._capturing:
@@ -131,6 +132,17 @@ class AcceleratorGraph:
                 raise CaptureError(f"pool() of a graph of {self.device} that was never captured")
             self._pool = PoolHandle(self.device, tuple(self._impl.pool()))
         return self._pool
+
+    def enable_debug_mode(self) -> None:
+        """Keep what ``debug_dump`` needs; call before ``capture_begin``."""
+        self._impl.enable_debug_mode()
+
+    def debug_dump(self, path: str) -> None:
+        """Write the captured graph to ``path`` (CUDA: a GraphViz .dot file; NPU: aclgraph's JSON,
+        the input of the deadlock check). Needs ``enable_debug_mode()`` before the capture."""
+        if not self._captured:
+            raise CaptureError(f"debug_dump of a graph of {self.device} that was never captured")
+        self._impl.debug_dump(path)
 
     def __repr__(self) -> str:
         state = "capturing" if self._capturing else "captured" if self._captured else "empty"
@@ -253,6 +265,7 @@ class AcceleratorBackend:
             and hasattr(self.module, "graph_task_update_begin"),
             "pool_sharing": True,
             "streams": True,
+            "debug_dump": hasattr(graph, "debug_dump"),
             "name": str(self.module.get_device_name(dev.index)),
         }
         props = self.module.get_device_properties(dev.index)
