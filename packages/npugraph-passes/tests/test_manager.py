@@ -8,9 +8,8 @@ from typing import Any
 
 import pytest
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
-
 from npugraph_passes import GraphPass, PassError, PassManager, PassRecord
+from torch.fx.experimental.proxy_tensor import make_fx
 
 
 def _config(**overrides: Any) -> SimpleNamespace:

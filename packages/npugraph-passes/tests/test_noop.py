@@ -8,10 +8,9 @@ from collections.abc import Callable
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.fx.experimental.proxy_tensor import make_fx
-
 from npugraph_passes import remove_noop_ops
 from npugraph_passes.noop import noop_rules
+from torch.fx.experimental.proxy_tensor import make_fx
 
 aten = torch.ops.aten
 

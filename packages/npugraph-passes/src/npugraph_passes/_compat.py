@@ -4,6 +4,7 @@ that torch 2.11 keeps working with a fallback."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -63,3 +64,112 @@ def storage_key(t: torch.Tensor) -> int | None:
     from torch.multiprocessing.reductions import StorageWeakRef
 
     return int(StorageWeakRef(t.untyped_storage()).cdata)  # type: ignore[no-untyped-call]
+
+
+# Functional op -> its in-place overload with a matching schema (add.Tensor -> add_.Tensor).
+# torch.fx.passes.reinplace._maybe_get_inplace_op, checked on 2.13.0; our own lookup by name
+# and argument types when it is missing.
+def inplace_overload(op: Any) -> Any:
+    lookup: Any = None
+    with contextlib.suppress(ImportError):
+        from torch.fx.passes.reinplace import _maybe_get_inplace_op as lookup
+    if lookup is not None:
+        try:
+            return lookup(op)
+        except (AssertionError, RuntimeError, AttributeError):
+            return None
+    if not isinstance(op, OpOverload):  # pragma: no cover
+        return None
+    packet = getattr(getattr(torch.ops, op.namespace), f"{op._schema.name.split('::')[-1]}_", None)
+    if packet is None:  # pragma: no cover
+        return None
+    for name in packet.overloads():
+        cand = getattr(packet, name)
+        if [a.type for a in cand._schema.arguments] == [a.type for a in op._schema.arguments]:
+            return cand
+    return None  # pragma: no cover
+
+
+# Inductor's pattern matcher (PatternMatcherPass, register_replacement, fwd_only, Match).
+# Checked on 2.13.0: register_replacement(search_fn, replace_fn, example_inputs, trace_fn,
+# pass_dicts, extra_check, scalar_workaround, exclusive_arg_names, search_fn_pattern,
+# skip_duplicates, pattern_name, get_decomp_fn); fwd_only(fn, args, *, run_functional_passes,
+# get_decomp_fn). skip_duplicates only exists on torch >= 2.7, get_decomp_fn on newer ones:
+# both are passed only when the installed signature has them.
+def pattern_matcher() -> Any:
+    from torch._inductor import pattern_matcher as pm
+
+    return pm
+
+
+def _accepts(fn: Callable[..., Any], name: str) -> bool:
+    import inspect
+
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # pragma: no cover
+        return False
+
+
+def no_decompositions() -> dict[Any, Any]:
+    return {}
+
+
+def fwd_only_no_decomp(fn: Callable[..., Any], args: Any, **kwargs: Any) -> torch.fx.GraphModule:
+    """inductor's fwd_only (make_fx, real tensors, no-op removal) with no decompositions."""
+    pm = pattern_matcher()
+    kwargs.pop("get_decomp_fn", None)
+    if _accepts(pm.fwd_only, "get_decomp_fn"):
+        gm: torch.fx.GraphModule = pm.fwd_only(fn, args, get_decomp_fn=no_decompositions, **kwargs)
+        return gm
+    from torch.fx.experimental.proxy_tensor import make_fx  # pragma: no cover - torch < 2.12
+
+    gm = make_fx(fn, {}, tracing_mode="real")(*args)  # pragma: no cover
+    gm.graph.eliminate_dead_code()  # pragma: no cover
+    gm.recompile()  # pragma: no cover
+    return gm  # pragma: no cover
+
+
+def inductor_register_replacement(
+    search_fn: Callable[..., Any],
+    replace_fn: Callable[..., Any],
+    example_inputs: Any,
+    trace_fn: Callable[..., Any],
+    pass_dict: Any,
+    extra_check: Callable[[Any], bool],
+    scalar_workaround: Any,
+    search_fn_pattern: Any,
+    skip_duplicates: bool,
+) -> bool:
+    pm = pattern_matcher()
+    kwargs: dict[str, Any] = dict(
+        extra_check=extra_check,
+        scalar_workaround=scalar_workaround,
+        search_fn_pattern=search_fn_pattern,
+    )
+    if _accepts(pm.register_replacement, "skip_duplicates"):
+        kwargs["skip_duplicates"] = skip_duplicates
+    if _accepts(pm.register_replacement, "get_decomp_fn"):
+        kwargs["get_decomp_fn"] = no_decompositions
+    else:  # pragma: no cover - older torch calls trace_fn without it
+        inner = trace_fn
+        trace_fn = lambda fn, args, **kw: inner(fn, args)  # noqa: E731
+    return bool(pm.register_replacement(search_fn, replace_fn, example_inputs, trace_fn, pass_dict, **kwargs))
+
+
+# Fake-tensor mode of a set of values (to compute meta of nodes made by a replacement).
+# torch._guards.detect_fake_mode, checked on 2.13.0.
+def detect_fake_mode(values: Any) -> Any:
+    try:
+        from torch._guards import detect_fake_mode as detect
+    except ImportError:  # pragma: no cover
+        return None
+    return detect(values)
+
+
+# A fresh FakeTensorMode to trace patterns whose ops have no CPU kernel (torch_npu ops).
+# torch._subclasses.fake_tensor.FakeTensorMode, checked on 2.13.0.
+def fake_tensor_mode() -> Any:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    return FakeTensorMode()

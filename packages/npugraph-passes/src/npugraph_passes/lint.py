@@ -91,6 +91,28 @@ def _is_bool_index(node: torch.fx.Node) -> bool:
     return False
 
 
+def _arg(node: torch.fx.Node, target: Any, name: str) -> tuple[bool, object]:
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.name != name:
+            continue
+        if name in node.kwargs:
+            return True, node.kwargs[name]
+        if i < len(node.args) and not arg.kwarg_only:
+            return True, node.args[i]
+        return True, arg.default_value if arg.has_default_value() else None
+    return False, None
+
+
+def _draws_random(node: torch.fx.Node, target: Any) -> bool:
+    """Seeded ops draw random numbers unless their dropout is off (attention kernels and
+    dropout in eval mode carry the tag but take ``dropout_p=0`` / ``train=False``)."""
+    has_train, train = _arg(node, target, "train")
+    if has_train and train is False:
+        return False
+    has_p, p = _arg(node, target, "dropout_p")
+    return not (has_p and isinstance(p, (int, float)) and p == 0)
+
+
 def _op_reason(node: torch.fx.Node) -> str | None:
     target = node.target
     if not isinstance(target, OpOverload):
@@ -98,7 +120,7 @@ def _op_reason(node: torch.fx.Node) -> str | None:
             return _HOST_SYNC
         return None
     tags = set(target.tags)
-    if torch.Tag.nondeterministic_seeded in tags:
+    if torch.Tag.nondeterministic_seeded in tags and _draws_random(node, target):
         return _RNG
     if torch.Tag.data_dependent_output in tags:
         return _HOST_SYNC

@@ -1,16 +1,308 @@
-"""Pending: lands in the next commit of issue 4."""
+"""Re-inplacing: functional ops turned back into in-place ops where nobody can tell.
+
+AOT hands us a functional graph. Each ``y = op(x, ...)`` allocates a new ``y``; each mutation of
+a graph input ``p`` became ``new = op(p, ...)`` plus a ``copy_(p, new)`` epilogue, so a KV cache
+updated with ``index_copy_`` is copied whole every step. Two passes undo that:
+
+* :func:`inplace_pass` (intermediates): ``y = op(x, ...)`` becomes ``op_(x, ...)`` when ``x`` is
+  an intermediate (no graph input, no view of one) that nothing reads afterwards;
+* :func:`input_inplace_pass` (graph inputs): ``new = op(p, ...)`` + ``copy_(p, new)`` becomes
+  ``op_(p, ...)`` and the epilogue goes; ``index_copy``, ``index_put``, ``scatter`` and every
+  functional op with an in-place twin, ``slice_scatter``/``select_scatter``/``diagonal_scatter``/
+  ``as_strided_scatter`` (a view of ``p`` plus ``copy_``), and the generic epilogue
+  ``copy_(p, f(...))`` where ``f`` has an ``out=`` variant (``f(..., out=p)``).
+
+Both refuse when the old value is read afterwards (through any alias), when the shapes or
+dtypes differ (broadcasting, type promotion), when the written tensor overlaps itself or
+another argument, and when a node on another stream uses the tensor with no event between.
+"""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.fx
+
+from npugraph_passes import _compat
+from npugraph_passes.aliasing import node_storage, written_args
+from npugraph_passes.out_variants import out_overload
+from npugraph_passes.stream_safety import StreamMap
+
+aten = torch.ops.aten
+
+#: scatter op -> the view op it writes through.
+SCATTER_VIEWS: dict[Any, Any] = {
+    aten.slice_scatter.default: aten.slice.Tensor,
+    aten.select_scatter.default: aten.select.int,
+    aten.diagonal_scatter.default: aten.diagonal.default,
+    aten.as_strided_scatter.default: aten.as_strided.default,
+}
+
+_VIEW_TARGETS = frozenset(SCATTER_VIEWS.values()) | {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default,
+    aten.expand.default, aten.permute.default, aten.transpose.int, aten.t.default,
+    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims,
+    aten.as_strided.default, aten.unfold.default, aten.narrow.default, aten.split.Tensor,
+    aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default, aten.view.dtype,
+}
+
+
+def _val(node: object) -> torch.Tensor | None:
+    if isinstance(node, torch.fx.Node):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val
+    return None
+
+
+def _self_overlaps(t: torch.Tensor) -> bool:
+    return any(st == 0 and sz != 1 for sz, st in zip(t.shape, t.stride(), strict=True))
+
+
+class _Analysis:
+    """Positions, storages and alias groups of one graph, kept up to date by the rewrites."""
+
+    def __init__(self, graph: torch.fx.Graph) -> None:
+        self.graph = graph
+        self.position: dict[torch.fx.Node, int] = {n: i for i, n in enumerate(graph.nodes)}
+        self.storage: dict[torch.fx.Node, int | None] = {}
+        self.group: dict[int, set[torch.fx.Node]] = defaultdict(set)
+        self.input_storages: set[int] = set()
+        self.streams = StreamMap(graph)
+        self.erased: set[torch.fx.Node] = set()
+        for node in graph.nodes:
+            key = node_storage(node)
+            self.storage[node] = key
+            if key is not None:
+                self.group[key].add(node)
+                if node.op in ("placeholder", "get_attr"):
+                    self.input_storages.add(key)
+
+    def aliases(self, node: torch.fx.Node) -> set[torch.fx.Node]:
+        key = self.storage.get(node)
+        return set(self.group[key]) if key is not None else {node}
+
+    def reads_after(self, node: torch.fx.Node, target: torch.fx.Node,
+                    ignore: set[torch.fx.Node]) -> list[torch.fx.Node]:
+        """Nodes after ``node`` that read ``target``'s storage through any alias (views that only
+        feed other readers do not count themselves; their readers do)."""
+        aliases = self.aliases(target)
+        at = self.position[node]
+        found: list[torch.fx.Node] = []
+        for alias in aliases:
+            for user in alias.users:
+                if user is node or user in ignore or self.position.get(user, -1) <= at:
+                    continue
+                if user in aliases and user.target in _VIEW_TARGETS:
+                    continue
+                found.append(user)
+        return found
+
+    def users_of(self, target: torch.fx.Node) -> list[torch.fx.Node]:
+        return [u for a in self.aliases(target) for u in a.users]
+
+    def written_between(self, target: torch.fx.Node, lo: int, hi: int, ignore: set[torch.fx.Node]) -> bool:
+        key = self.storage.get(target)
+        for node in self.graph.nodes:
+            if node in ignore or not (lo < self.position.get(node, -1) < hi):
+                continue
+            for dst in written_args(node):
+                if self.storage.get(dst) == key:
+                    return True
+        return False
+
+    def erase(self, node: torch.fx.Node) -> None:
+        self.graph.erase_node(node)
+        self.erased.add(node)
+        key = self.storage.pop(node, None)
+        if key is not None:
+            self.group[key].discard(node)
+
+    def merge(self, node: torch.fx.Node, into: torch.fx.Node) -> None:
+        """``node`` now returns ``into``'s storage."""
+        old = self.storage.get(node)
+        if old is not None:
+            self.group[old].discard(node)
+        key = self.storage.get(into)
+        self.storage[node] = key
+        if key is not None:
+            self.group[key].add(node)
+
+
+def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    return [a for a in node.all_input_nodes if _val(a) is not None]
+
+
+def _fits_in_place(node: torch.fx.Node, dst: torch.fx.Node) -> bool:
+    out, buf = _val(node), _val(dst)
+    if out is None or buf is None:
+        return False
+    return (
+        _compat.statically_known_true(_compat.sym_eq(out.shape, buf.shape))
+        and out.dtype == buf.dtype
+        and out.device == buf.device
+        and not _self_overlaps(buf)
+    )
+
+
+def _others_alias(node: torch.fx.Node, dst: torch.fx.Node, an: _Analysis, skip_first: bool = True) -> bool:
+    key = an.storage.get(dst)
+    args = list(node.args)
+    rest = args[1:] if skip_first else args
+    nodes: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((rest, node.kwargs), nodes.append)
+    return any(n is dst or (key is not None and an.storage.get(n) == key) for n in nodes)
+
+
+def _streams_ok(node: torch.fx.Node, dst: torch.fx.Node, an: _Analysis) -> bool:
+    if not an.streams.multi_stream:
+        return True
+    return an.streams.all_ordered(node, an.users_of(dst) + list(node.users))
+
+
+def _rewrite_in_place(node: torch.fx.Node, dst: torch.fx.Node, an: _Analysis) -> bool:
+    """Makes ``node`` write into ``dst`` (its first argument) and return it. False if ``node``'s
+    op has no in-place form."""
+    graph = an.graph
+    if node.target in SCATTER_VIEWS:
+        view_op = SCATTER_VIEWS[node.target]
+        src = node.args[1]
+        view_args = node.args[2:]
+        with graph.inserting_before(node):
+            view = graph.call_function(view_op, (dst, *view_args), dict(node.kwargs))
+            dst_val = _val(dst)
+            if dst_val is not None:
+                view.meta["val"] = view_op(dst_val, *view_args, **node.kwargs)
+            view.meta["stack_trace"] = node.meta.get("stack_trace")
+            # copy(view_of_dst, v) feeding only this scatter is v converted to the view: copy_ does it.
+            if (isinstance(src, torch.fx.Node) and src.target is aten.copy.default
+                    and len(src.users) == 1 and isinstance(src.args[0], torch.fx.Node)
+                    and src.args[0].target is view_op and src.args[0].args[1:] == tuple(view_args)
+                    and src.args[0].args[0] is dst):
+                src = src.args[1]
+            copy = graph.call_function(aten.copy_.default, (view, src))
+            copy.meta["val"] = view.meta.get("val")
+            copy.meta["stack_trace"] = node.meta.get("stack_trace")
+        an.position[view] = an.position[node]
+        an.position[copy] = an.position[node]
+        an.storage[view] = an.storage.get(dst)
+        an.storage[copy] = an.storage.get(dst)
+        original_src = node.args[1]
+        node.replace_all_uses_with(dst)
+        an.erase(node)
+        if src is not original_src and isinstance(original_src, torch.fx.Node) and not original_src.users:
+            old_view = original_src.args[0]
+            an.erase(original_src)
+            if isinstance(old_view, torch.fx.Node) and not old_view.users:
+                an.erase(old_view)
+        return True
+    inplace = _compat.inplace_overload(node.target)
+    if inplace is None:
+        return False
+    node.target = inplace
+    node.replace_all_uses_with(dst, delete_user_cb=lambda user: user is not node)
+    if (val := _val(dst)) is not None:
+        node.meta["val"] = val
+    an.merge(node, dst)
+    return True
+
+
+def _intermediate_candidate(node: torch.fx.Node, an: _Analysis) -> torch.fx.Node | None:
+    if node.op != "call_function" or not isinstance(node.target, _compat.OpOverload):
+        return None
+    if not node.args or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    if node.target not in SCATTER_VIEWS and _compat.inplace_overload(node.target) is None:
+        return None
+    dst = node.args[0]
+    return dst if dst.op == "call_function" else None
 
 
 def inplace_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> None:
-    """Pending (issue 4): leaves the graph unchanged for now."""
+    """Re-inplaces functional ops on intermediates nobody reads afterwards. Needs
+    ``node.meta["val"]``; nodes without it are left alone."""
+    an = _Analysis(gm.graph)
+    for node in list(gm.graph.nodes):
+        if node in an.erased:
+            continue
+        dst = _intermediate_candidate(node, an)
+        if dst is None:
+            continue
+        key = an.storage.get(dst)
+        if key is None or key in an.input_storages:
+            continue
+        if not _fits_in_place(node, dst) or _others_alias(node, dst, an):
+            continue
+        if an.reads_after(node, dst, ignore=set()):
+            continue
+        if not _streams_ok(node, dst, an):
+            continue
+        _rewrite_in_place(node, dst, an)
+
+
+def _epilogues(graph: torch.fx.Graph) -> list[torch.fx.Node]:
+    return [
+        n for n in graph.nodes
+        if n.op == "call_function" and n.target is aten.copy_.default and len(n.args) >= 2
+        and isinstance(n.args[0], torch.fx.Node) and n.args[0].op in ("placeholder", "get_attr")
+        and isinstance(n.args[1], torch.fx.Node) and n.args[1].op == "call_function"
+    ]
+
+
+def _input_in_place(src: torch.fx.Node, dst: torch.fx.Node, copy: torch.fx.Node, an: _Analysis) -> bool:
+    """``new = op(dst, ...)`` + ``copy_(dst, new)`` -> ``op_(dst, ...)``."""
+    if not isinstance(src.target, _compat.OpOverload) or not src.args or src.args[0] is not dst:
+        return False
+    if src.target not in SCATTER_VIEWS and _compat.inplace_overload(src.target) is None:
+        return False
+    if not _fits_in_place(src, dst) or _others_alias(src, dst, an):
+        return False
+    if an.reads_after(src, dst, ignore={copy}):
+        return False
+    if an.written_between(dst, an.position[src], an.position[copy], ignore={copy}):
+        return False
+    if not _streams_ok(src, dst, an):
+        return False
+    return _rewrite_in_place(src, dst, an)
+
+
+def _input_out_variant(src: torch.fx.Node, dst: torch.fx.Node, copy: torch.fx.Node, an: _Analysis) -> bool:
+    """``new = f(a, b)`` + ``copy_(dst, new)`` -> ``f.out(a, b, out=dst)`` when ``f`` has one."""
+    out_op = out_overload(src.target)
+    if out_op is None or "out" in src.kwargs:
+        return False
+    if not _fits_in_place(src, dst) or _others_alias(src, dst, an, skip_first=False):
+        return False
+    # dst now changes at src instead of at the epilogue: nobody may read it in between.
+    if an.reads_after(src, dst, ignore={copy}) or an.written_between(dst, an.position[src], an.position[copy], {copy}):
+        return False
+    if any(an.position.get(u, -1) < an.position[src] for u in src.users):
+        return False
+    if not _streams_ok(src, dst, an):
+        return False
+    src.target = out_op
+    src.kwargs = {**src.kwargs, "out": dst}
+    src.replace_all_uses_with(dst, delete_user_cb=lambda user: user is not src)
+    if (val := _val(dst)) is not None:
+        src.meta["val"] = val
+    an.merge(src, dst)
+    return True
 
 
 def input_inplace_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> None:
-    """Pending (issue 4): leaves the graph unchanged for now."""
+    """Turns ``copy_(input, op(input, ...))`` epilogues into in-place updates of the input (and
+    ``copy_(input, f(...))`` into ``f(..., out=input)``), so a mutated input is written where it
+    changes instead of being copied whole at the end."""
+    graph = gm.graph
+    an = _Analysis(graph)
+    for copy in _epilogues(graph):
+        dst, src = copy.args[0], copy.args[1]
+        assert isinstance(dst, torch.fx.Node) and isinstance(src, torch.fx.Node)
+        if copy.users or an.storage.get(dst) is None:
+            continue
+        done = _input_in_place(src, dst, copy, an) or _input_out_variant(src, dst, copy, an)
+        if done and copy.args[1] is dst and not copy.users:
+            graph.erase_node(copy)

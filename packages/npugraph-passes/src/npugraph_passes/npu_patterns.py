@@ -1,0 +1,160 @@
+"""Ascend fusion rules, registered only when torch_npu provides every op a rule uses.
+
+* ``npu_add_rms_norm`` + ``npu_dynamic_quant`` -> ``npu_add_rms_norm_dynamic_quant``
+  (with and without epsilon, with and without the residual output);
+* ``npu_add_rms_norm`` + cast to float32 -> ``npu_add_rms_norm_cast``;
+* ``npu_add_rms_norm`` + ``npu_quantize`` (last axis) -> ``npu_add_rms_norm_quant``;
+* ``bmm`` + ``transpose(0, 1)`` -> ``npu_transpose_batchmatmul`` (3-D half/bfloat16/float
+  inputs, K and N multiples of 128, K < 65536).
+
+A rule that cannot be traced on the installed torch_npu is skipped with a warning naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from npugraph_passes import _compat
+
+log = logging.getLogger("npugraph_ex")
+
+
+def _npu_op(name: str) -> Any:
+    namespace = getattr(torch.ops, "npu", None)
+    if namespace is None:
+        return None
+    try:
+        return getattr(namespace, name).default
+    except (AttributeError, RuntimeError):
+        return None
+
+
+def _have(*names: str) -> bool:
+    return all(_npu_op(n) is not None for n in names)
+
+
+def _always(match: Any) -> bool:
+    return True
+
+
+def _tbmm_check(match: Any) -> bool:
+    a = match.kwargs.get("x1")
+    b = match.kwargs.get("x2")
+    va = a.meta.get("val") if a is not None else None
+    vb = b.meta.get("val") if b is not None else None
+    if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)):
+        return False
+    if va.dim() != 3 or vb.dim() != 3 or va.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    k, n = va.shape[2], vb.shape[2]
+    return isinstance(k, int) and isinstance(n, int) and k % 128 == 0 and n % 128 == 0 and k < 65536
+
+
+def _rules() -> list[tuple[str, tuple[str, ...], Callable[..., Any], Callable[..., Any], str, Callable[[Any], bool], dict[str, float] | None]]:
+    def arn(*a: Any) -> Any:
+        return _npu_op("npu_add_rms_norm")(*a)
+
+    def dq_search(x1: Any, x2: Any, gamma: Any, smooth: Any) -> Any:
+        y, _, x = arn(x1, x2, gamma)
+        q, s = _npu_op("npu_dynamic_quant")(y, smooth_scales=smooth)
+        return q, x, s
+
+    def dq_replace(x1: Any, x2: Any, gamma: Any, smooth: Any) -> Any:
+        q, _, x, s, _ = _npu_op("npu_add_rms_norm_dynamic_quant")(
+            x1, x2, gamma, smooth_scale1=smooth, output_mask=[True, False])
+        return q, x, s
+
+    def dq_eps_search(x1: Any, x2: Any, gamma: Any, smooth: Any, epsilon: float) -> Any:
+        y, _, x = arn(x1, x2, gamma, epsilon)
+        q, s = _npu_op("npu_dynamic_quant")(y, smooth_scales=smooth)
+        return q, x, s
+
+    def dq_eps_replace(x1: Any, x2: Any, gamma: Any, smooth: Any, epsilon: float) -> Any:
+        q, _, x, s, _ = _npu_op("npu_add_rms_norm_dynamic_quant")(
+            x1, x2, gamma, smooth_scale1=smooth, epsilon=epsilon, output_mask=[True, False])
+        return q, x, s
+
+    def dq_noxout_search(x1: Any, x2: Any, gamma: Any, smooth: Any) -> Any:
+        y, _, _ = arn(x1, x2, gamma)
+        return _npu_op("npu_dynamic_quant")(y, smooth_scales=smooth)
+
+    def dq_noxout_replace(x1: Any, x2: Any, gamma: Any, smooth: Any) -> Any:
+        q, _, _, s, _ = _npu_op("npu_add_rms_norm_dynamic_quant")(
+            x1, x2, gamma, smooth_scale1=smooth, output_mask=[True, False])
+        return q, s
+
+    def cast_search(x1: Any, x2: Any, gamma: Any) -> Any:
+        y, _, x = arn(x1, x2, gamma)
+        return y, x, y.to(torch.float32)
+
+    def cast_replace(x1: Any, x2: Any, gamma: Any) -> Any:
+        y32, y, _, x = _npu_op("npu_add_rms_norm_cast")(x1, x2, gamma)
+        return y, x, y32
+
+    def quant_search(x1: Any, x2: Any, gamma: Any, scales: Any, zero_points: Any) -> Any:
+        y, _, x = arn(x1, x2, gamma)
+        q = _npu_op("npu_quantize")(y, scales, zero_points, torch.qint8, -1, True)
+        return q, x
+
+    def quant_replace(x1: Any, x2: Any, gamma: Any, scales: Any, zero_points: Any) -> Any:
+        q, _, x = _npu_op("npu_add_rms_norm_quant")(x1, x2, gamma, scales, zero_points, axis=-1, div_mode=True)
+        return q, x
+
+    def tbmm_search(x1: Any, x2: Any) -> Any:
+        return torch.bmm(x1, x2).transpose(0, 1)
+
+    def tbmm_replace(x1: Any, x2: Any) -> Any:
+        return _npu_op("npu_transpose_batchmatmul")(x1, x2, perm_x1=[0, 1, 2], perm_x2=[0, 1, 2], perm_y=[1, 0, 2])
+
+    norm = ("npu_add_rms_norm",)
+    eps = {"epsilon": 2e-6}
+    return [
+        ("add_rms_norm_dynamic_quant", (*norm, "npu_dynamic_quant", "npu_add_rms_norm_dynamic_quant"),
+         dq_search, dq_replace, "norm4", _always, None),
+        ("add_rms_norm_dynamic_quant_epsilon", (*norm, "npu_dynamic_quant", "npu_add_rms_norm_dynamic_quant"),
+         dq_eps_search, dq_eps_replace, "norm4", _always, eps),
+        ("add_rms_norm_dynamic_quant_no_residual", (*norm, "npu_dynamic_quant", "npu_add_rms_norm_dynamic_quant"),
+         dq_noxout_search, dq_noxout_replace, "norm4", _always, None),
+        ("add_rms_norm_cast", (*norm, "npu_add_rms_norm_cast"), cast_search, cast_replace, "norm3", _always, None),
+        ("add_rms_norm_quant", (*norm, "npu_quantize", "npu_add_rms_norm_quant"),
+         quant_search, quant_replace, "norm5", _always, None),
+        ("transpose_batchmatmul", ("npu_transpose_batchmatmul",), tbmm_search, tbmm_replace, "bmm", _tbmm_check, None),
+    ]
+
+
+def _examples(kind: str) -> list[torch.Tensor]:
+    half = torch.float16
+    if kind == "bmm":
+        return [torch.empty(2, 2, 128, dtype=half), torch.empty(2, 128, 128, dtype=half)]
+    base = [torch.empty(1, 1, 2, dtype=half), torch.empty(1, 1, 2, dtype=half), torch.empty(2, dtype=half)]
+    if kind == "norm3":
+        return base
+    if kind == "norm4":
+        return [*base, torch.empty(2, dtype=half)]
+    return [*base, torch.empty(2, dtype=half), torch.empty(2, dtype=half)]
+
+
+def register_npu_patterns(register: Callable[..., None]) -> int:
+    """Registers the NPU rules whose ops exist (none without torch_npu); returns how many."""
+    if getattr(torch.ops, "npu", None) is None or (not _have("npu_add_rms_norm") and not _have(
+        "npu_transpose_batchmatmul"
+    )):
+        return 0
+    from npugraph_passes.fusion import fwd_only
+
+    count = 0
+    for name, ops, search, replace, kind, check, scalars in _rules():
+        if not _have(*ops):
+            continue
+        try:
+            with _compat.fake_tensor_mode():
+                register(search, replace, _examples(kind), fwd_only, check, None, scalars, False)
+        except Exception as exc:
+            log.warning("npugraph_ex: NPU fusion rule %s could not be traced (%s); it is skipped", name, exc)
+            continue
+        count += 1
+    return count
