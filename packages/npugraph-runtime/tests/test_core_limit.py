@@ -25,7 +25,7 @@ def _threads() -> Iterator[None]:
 
 def test_cpu_threads_are_limited_inside_and_restored_after() -> None:
     torch.set_num_threads(CPU_MAX)
-    with ngr.limit_core_num(1, 0):
+    with ngr.limit_core_num(1, 0, device="cpu"):
         assert torch.get_num_threads() == 1
         assert ngr.current_core_limit() == ("cpu", 1, 0)
     assert torch.get_num_threads() == CPU_MAX
@@ -34,15 +34,15 @@ def test_cpu_threads_are_limited_inside_and_restored_after() -> None:
 
 def test_threads_are_restored_when_the_scope_raises() -> None:
     torch.set_num_threads(CPU_MAX)
-    with pytest.raises(KeyError), ngr.limit_core_num(1, 0):
+    with pytest.raises(KeyError), ngr.limit_core_num(1, 0, device="cpu"):
         raise KeyError("inside")
     assert torch.get_num_threads() == CPU_MAX
 
 
 def test_nested_scopes_restore_the_outer_limit() -> None:
     torch.set_num_threads(CPU_MAX)
-    with ngr.limit_core_num(CPU_MAX, 0):
-        with ngr.limit_core_num(1, 0):
+    with ngr.limit_core_num(CPU_MAX, 0, device="cpu"):
+        with ngr.limit_core_num(1, 0, device="cpu"):
             assert torch.get_num_threads() == 1
         assert torch.get_num_threads() == CPU_MAX
         assert ngr.current_core_limit() == ("cpu", CPU_MAX, 0)
@@ -50,7 +50,7 @@ def test_nested_scopes_restore_the_outer_limit() -> None:
 
 def test_one_object_can_be_entered_twice() -> None:
     torch.set_num_threads(CPU_MAX)
-    scope = ngr.limit_core_num(1, 0)
+    scope = ngr.limit_core_num(1, 0, device="cpu")
     with scope, scope:
         assert torch.get_num_threads() == 1
     assert torch.get_num_threads() == CPU_MAX
@@ -60,7 +60,7 @@ def test_results_inside_the_scope_equal_eager() -> None:
     torch.manual_seed(0)
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     expected = torch.nn.functional.gelu(a @ b)
-    with ngr.limit_core_num(1, 0):
+    with ngr.limit_core_num(1, 0, device="cpu"):
         got = torch.nn.functional.gelu(a @ b)
     torch.testing.assert_close(got, expected)
 
@@ -99,6 +99,14 @@ def test_the_cpu_maximum_is_the_cpu_count() -> None:
             assert torch.get_num_threads() == CPU_MAX
 
 
+def test_the_default_device_is_the_cpu_without_an_accelerator() -> None:
+    if torch.cuda.is_available() or hasattr(torch, "npu"):
+        pytest.skip("an accelerator is the default here")
+    with ngr.limit_core_num(1, 0):
+        assert torch.get_num_threads() == 1
+        assert ngr.current_core_limit() == ("cpu", 1, 0)
+
+
 def test_an_unsupported_device_is_refused() -> None:
     with pytest.raises(DeviceError, match="'meta'"):
         ngr.limit_core_num(1, 1, device="meta")
@@ -108,9 +116,9 @@ def test_vector_cores_on_cpu_are_reported_once() -> None:
     core_limit._warned.discard("cpu-vector")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with ngr.limit_core_num(1, 1):
+        with ngr.limit_core_num(1, 1, device="cpu"):
             pass
-        with ngr.limit_core_num(1, 2):
+        with ngr.limit_core_num(1, 2, device="cpu"):
             pass
     messages = [str(w.message) for w in caught if "op_vectorcore_num" in str(w.message)]
     assert len(messages) == 1 and "does not apply" in messages[0]
@@ -118,7 +126,7 @@ def test_vector_cores_on_cpu_are_reported_once() -> None:
 
 def _mlp_with_scope(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     h = torch.relu(x @ w1)
-    with ngr.limit_core_num(1, 0):
+    with ngr.limit_core_num(1, 0, device="cpu"):
         h = torch.tanh(h @ w2)
     return h.sum(dim=-1)
 
@@ -157,7 +165,7 @@ def test_compiled_with_aot_eager_equals_eager_and_leaves_threads_alone() -> None
 
 def test_compiled_values_out_of_range_are_refused_with_the_argument_named() -> None:
     def fn(x: torch.Tensor) -> torch.Tensor:
-        with ngr.limit_core_num(CPU_MAX + 1, 0):
+        with ngr.limit_core_num(CPU_MAX + 1, 0, device="cpu"):
             return x + 1
 
     with pytest.raises(Exception, match="op_aicore_num"):
