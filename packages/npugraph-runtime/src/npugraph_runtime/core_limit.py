@@ -4,10 +4,10 @@
   vector cores = ``op_vectorcore_num``), the previous limits restored on exit.
 * CUDA: a green context with ``op_aicore_num`` SMs is made current inside the scope (torch's
   ``torch.cuda.green_contexts``, CUDA >= 12.8 driver). GPUs have no vector cores: the second number
-  is checked but not used, which is said once per process. Without green-context support the
+  is checked but not used, which is said once per process if it is not 0. Without green-context support the
   scope runs unlimited, with one warning.
 * CPU: intra-op threads (``torch.set_num_threads``) are ``op_aicore_num`` inside the scope and
-  restored after; the vector-core number is checked but not used (said once).
+  restored after; the vector-core number is checked but not used (said once, if not 0).
 
 Inside a function compiled by ``torch.compile`` (``fullgraph=True`` included) the scope is not
 applied while tracing; the graph carries it as ``npugraph_ex.scope_enter(["_op_aicore_num",
@@ -50,7 +50,6 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-@functools.cache
 def _npu_limit_api() -> tuple[Any, Any, Any] | None:
     npu = getattr(torch, "npu", None)
     if npu is None:
