@@ -11,6 +11,7 @@ import torch
 import torch.fx
 from npugraph_backend.config import CompilerConfig, OptionError
 from npugraph_backend.dfx import data_dump
+from npugraph_runtime.manager import make_graphed_callable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 
@@ -115,20 +116,27 @@ def test_multi_output_nodes_are_dumped_through_their_getitems(tmp_path: Path) ->
     assert all(f"{g}_device_0_0.pt" in files for g in getitems)
 
 
-def test_optimized_stage_holds_each_calls_values_across_three_calls(tmp_path: Path) -> None:
+def test_optimized_stage_holds_each_replays_values_across_three_replays(tmp_path: Path) -> None:
     _fresh_counts()
     gm = _aot_like_graph()
     reference = torch.fx.GraphModule(gm, _copy(gm.graph))
-    call = data_dump.after_each_call(gm, data_dump.instrument(gm, _config(tmp_path, "optimized")))
+    data_dump.instrument(gm, _config(tmp_path, "optimized"))
+    first = _inputs(4)
+    # The weights are static (never copied), the activations user inputs copied per call.
+    graphed = make_graphed_callable(gm, first, static_argnums=(1, 2))
+    call = data_dump.after_each_call(graphed, gm)
     root = tmp_path / "worldsize1_global_rank0"
+    w, b = first[1], first[2]
 
-    for count, seed in enumerate((4, 5, 6)):
-        args = _inputs(seed)
-        out = call(*args)
-        for got, want in zip(out, _block(*args), strict=True):
+    call(*first)  # warm-up and capture
+    for count, seed in enumerate((5, 6, 7), start=1):
+        x = _inputs(seed)[0]
+        out = call(x, w, b)
+        for got, want in zip(out, _block(x, w, b), strict=True):
             torch.testing.assert_close(got, want)
-        for name, value in _eager_values(reference, args).items():
+        for name, value in _eager_values(reference, (x, w, b)).items():
             assert torch.equal(_load(root, name, count), value), (name, count)
+    assert graphed.num_captures == 1 and len(graphed.events) == 1  # replays, not recaptures
 
 
 def _copy(graph: torch.fx.Graph) -> torch.fx.Graph:
@@ -160,3 +168,33 @@ def test_graph_without_shape_metadata_is_refused_naming_the_node(tmp_path: Path)
     gm = torch.fx.symbolic_trace(_block)
     with pytest.raises(ValueError, match=r"node\.meta"):
         data_dump.instrument(gm, _config(tmp_path, "optimized"))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_optimized_stage_dumps_cuda_graph_replays_through_pinned_buffers(tmp_path: Path) -> None:
+    _fresh_counts()
+
+    def on_cuda(seed: int) -> tuple[torch.Tensor, ...]:
+        return tuple(t.cuda() for t in _inputs(seed))
+
+    first = on_cuda(4)
+    gm = make_fx(_block, tracing_mode="fake")(*first)
+    reference = torch.fx.GraphModule(gm, _copy(gm.graph))
+    data_dump.instrument(gm, _config(tmp_path, "optimized"))
+    buffers = [b for name, b in gm.named_buffers() if name.startswith("_npugraph_ex_dump_")]
+    assert buffers and all(b.is_pinned() for b in buffers)
+    graphed = make_graphed_callable(gm, first, static_argnums=(1, 2))
+    call = data_dump.after_each_call(graphed, gm)
+    root = tmp_path / "worldsize1_global_rank0"
+    w, b = first[1], first[2]
+
+    call(*first)
+    for count, seed in enumerate((5, 6, 7), start=1):
+        x = on_cuda(seed)[0]
+        out = call(x, w, b)
+        for got, want in zip(out, _block(x, w, b), strict=True):
+            torch.testing.assert_close(got, want)
+        for name, value in _eager_values(reference, (x, w, b)).items():
+            assert torch.equal(_load(root, name, count), value.cpu()), (name, count)
+    assert graphed.num_captures == 1 and len(graphed.events) == 1

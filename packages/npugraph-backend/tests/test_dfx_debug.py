@@ -24,6 +24,7 @@ _PASS_PIPELINE = textwrap.dedent(
     from npugraph_backend.dfx.debug import DebugSession, spec_summary
     from npugraph_passes import PassManager
     from npugraph_runtime import CapturePolicy, InputSpec
+    from npugraph_runtime.manager import GraphedCallable
 
     def f(x, w):
         y = (x @ w).view(4, 4).clone()   # a no-op view and clone: remove_noop_ops drops them
@@ -36,9 +37,17 @@ _PASS_PIPELINE = textwrap.dedent(
     config = CompilerConfig()
     records = PassManager.from_config(config).run(gm, args, config, observer=session.pass_observer)
     spec = InputSpec.infer(args, static_argnums=(1,))
-    session.output_code(gm, spec_summary(gm, spec, CapturePolicy()))
+    policy = CapturePolicy(name="dfx_graph")
+    summary = spec_summary(gm, spec, policy)
+    session.output_code(gm, summary)
+    graphed = GraphedCallable(gm, spec, policy)
+    call = session.watch(graphed, summary)
+    for _ in range(3):
+        x = torch.randn(4, 4)
+        torch.testing.assert_close(call(x, args[1]), f(x, args[1]))
     json.dump({"model_dir": session.model_dir,
-               "records": [[r.name, r.changed] for r in records]}, sys.stdout)
+               "records": [[r.name, r.changed] for r in records],
+               "keys": [list(e.key) for e in graphed.events]}, sys.stdout)
     """
 )
 
@@ -66,7 +75,7 @@ def test_pass_dumps_follow_the_pass_records(tmp_path: Path) -> None:
     assert run_dir.parent == tmp_path / "torch_compile_debug"
     assert run_dir.name.startswith("run_") and "-pid_" in run_dir.name
     assert (model_dir.parent / "debug.log").is_file()
-    assert "pass remove_noop_ops" in (model_dir.parent / "debug.log").read_text()
+    assert "dfx_graph: captured graph key" in (model_dir.parent / "debug.log").read_text()
     assert (model_dir / "dynamo_out_graph.txt").is_file()
 
     forward = model_dir / "forward"
@@ -89,6 +98,15 @@ def test_pass_dumps_follow_the_pass_records(tmp_path: Path) -> None:
     assert spec["copied_per_call"] == ["x_1"]
     assert spec["policy"]["capture_limit"] == 64
     assert "torch.ops.aten.mm.default" in code
+
+    # One JSON per capture: three calls, one capture.
+    (capture,) = sorted(model_dir.glob("graph_*.json"))
+    info = json.loads(capture.read_text())
+    assert info["graph"] == "dfx_graph" and info["reason"] == "new_key" and info["captured"]
+    assert [info["key"]] == result["keys"]
+    assert [i["kind"] for i in info["inputs"]] == ["user", "static"]
+    assert info["op_count"] > 0
+    assert info["pool"]["device"] == "cpu" and info["pool_bytes"] >= 0
 
 
 def test_no_session_without_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -90,23 +90,17 @@ class DataDumper:
     """Writes the host buffers of an instrumented graph module after a call."""
 
     def __init__(self, gm: torch.fx.GraphModule, root: str, slots: list[_Slot]) -> None:
-        self.gm = gm
         self.root = root
-        self.slots = slots
-        self.calls = 0
-        devices = {s.device for s in slots if s.device.type != "cpu"}
-        self._sync: list[Callable[[], None]] = [
-            (lambda d=d: torch.get_device_module(d).synchronize(d)) for d in devices  # type: ignore[misc]
-        ]
+        self.slots = [(s.node, getattr(gm, s.attr), s.device) for s in slots]
+        self.devices = sorted({s.device for s in slots if s.device.type != "cpu"}, key=str)
 
     def write(self) -> None:
         """Waits for the device copies, then writes one file per instrumented node."""
         with phase(DATA_DUMP):
-            for sync in self._sync:
-                sync()
-            for slot in self.slots:
-                torch.save(getattr(self.gm, slot.attr), dump_path(self.root, slot.node, slot.device))
-            self.calls += 1
+            for device in self.devices:
+                torch.get_device_module(device).synchronize(device)
+            for node, buffer, device in self.slots:
+                torch.save(buffer, dump_path(self.root, node, device))
 
 
 def _static_shape(node: torch.fx.Node, val: torch.Tensor) -> tuple[int, ...]:
@@ -170,15 +164,19 @@ def instrument(gm: torch.fx.GraphModule, config: Any) -> torch.fx.GraphModule:
         logger.warning("dump_tensor_data: not dumping non-strided tensors %s", skipped)
     graph.lint()
     gm.recompile()
-    gm.meta[_META_KEY] = DataDumper(gm, root, slots)
+    # Plain data, so a pickled graph module keeps its dump plan.
+    gm.meta[_META_KEY] = {"root": root, "slots": [(s.node, s.attr, str(s.device)) for s in slots]}
     logger.debug("dump_tensor_data: %d nodes of the optimized graph dumped to %s", len(slots), root)
     return gm
 
 
 def dumper_of(gm: torch.fx.GraphModule) -> DataDumper | None:
     """The dumper ``instrument`` attached to ``gm``, if any."""
-    dumper = getattr(gm, "meta", {}).get(_META_KEY)
-    return dumper if isinstance(dumper, DataDumper) else None
+    plan = getattr(gm, "meta", {}).get(_META_KEY)
+    if not isinstance(plan, dict):
+        return None
+    slots = [_Slot(node, attr, torch.device(device)) for node, attr, device in plan["slots"]]
+    return DataDumper(gm, str(plan["root"]), slots)
 
 
 def after_each_call(fn: Callable[..., Any], gm: torch.fx.GraphModule) -> Callable[..., Any]:

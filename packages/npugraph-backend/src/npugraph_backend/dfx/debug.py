@@ -22,7 +22,6 @@ import dataclasses
 import datetime
 import itertools
 import json
-import logging
 import os
 import pprint
 import threading
@@ -33,7 +32,7 @@ import torch
 import torch.fx
 
 from npugraph_backend import _compat
-from npugraph_backend.dfx.log import attach_debug_file, ensure_registered, logger
+from npugraph_backend.dfx.log import attach_debug_file, logger
 
 _ENV = "TORCH_COMPILE_DEBUG"
 
@@ -62,7 +61,6 @@ def debug_root() -> str:
             root = os.path.join(_compat.dynamo_debug_dir() + _rank_suffix(), "npugraph_ex")
             os.makedirs(root, exist_ok=True)
             _root = root
-    ensure_registered()
     attach_debug_file(os.path.join(_root, "debug.log"))
     return _root
 
@@ -186,14 +184,9 @@ class DebugSession:
         return self._after_pass
 
     def _after_pass(self, pass_name: str, gm: torch.fx.GraphModule, record: Any) -> None:
+        # The compiler logs each record (time, changed, node counts); this only dumps the graph.
         self._step += 1
         self._dump(f"{self._step:03d}_aot_forward_graph_after_{pass_name}.txt", graph_text(gm))
-        if record is not None and logger.isEnabledFor(logging.DEBUG):
-            logger.debug(
-                "pass %s: %.3f ms, changed=%s, %s -> %s nodes",
-                pass_name, getattr(record, "seconds", 0.0) * 1e3, getattr(record, "changed", None),
-                getattr(record, "nodes_before", "?"), getattr(record, "nodes_after", "?"),
-            )
 
     def output_code(self, gm: torch.fx.GraphModule, summary: Mapping[str, object]) -> str:
         """``forward/output_code.py``: the final graph as a module class, plus how it is run
