@@ -107,7 +107,7 @@ def output_origins(gm: torch.fx.GraphModule) -> list[tuple[str, int | None]] | N
 # torch._C._is_alias_of: checked on 2.13.0 (works on fake tensors); structural fallback for
 # outputs that alias inputs when descriptors are missing.
 def is_alias_of(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return bool(getattr(torch._C, "_is_alias_of")(a, b))
+    return bool(torch._C._is_alias_of(a, b))
 
 
 # --- Static inputs outside AOT (compile_fx on a hand-made graph) -------------------------------
@@ -226,16 +226,20 @@ def dynamo_debug_dir() -> str:
 
 
 # --- dfx/ranges.py: is a profiler recording? (DFX helper) ---------------------------------------
-def profiler_enabled() -> bool:
-    """``torch.autograd.profiler._is_profiler_enabled``: a module global set by every torch
-    profiler on start and cleared on stop, so reading it costs one attribute lookup. Checked on
-    torch 2.13.0 (present since 1.13); fallback: the C query ``torch.autograd._profiler_enabled``."""
-    import torch.autograd.profiler as profiler
+# torch.autograd.profiler._is_profiler_enabled: a module global set by every torch profiler on
+# start and cleared on stop, so the check is one attribute read (it sits on hot paths). Checked on
+# torch 2.13.0 (present since 1.13); fallback: the C query torch.autograd._profiler_enabled().
+import torch.autograd.profiler as _autograd_profiler  # noqa: E402
 
-    flag = getattr(profiler, "_is_profiler_enabled", None)
-    if flag is not None:
-        return bool(flag)
-    return bool(torch.autograd._profiler_enabled())
+if hasattr(_autograd_profiler, "_is_profiler_enabled"):
+
+    def profiler_enabled() -> bool:
+        return bool(_autograd_profiler._is_profiler_enabled)
+
+else:  # pragma: no cover - older torch
+
+    def profiler_enabled() -> bool:
+        return bool(torch.autograd._profiler_enabled())
 
 
 # torch._ops.OpOverload and its `_schema`: checked on 2.13.0 (since 1.12).
@@ -245,3 +249,73 @@ def op_schema(node: torch.fx.Node) -> Any:
     if isinstance(target, torch._ops.OpOverload):
         return target._schema
     return None
+
+
+# torch._dynamo.mark_static_address: checked on 2.13.0 (since 2.2). Used by tests and users to
+# make an input static (never copied, like a parameter).
+def mark_static_address(t: torch.Tensor) -> None:
+    import torch._dynamo
+
+    torch._dynamo.mark_static_address(t)
+
+
+# --- serialization.py: the compiled graph as an AOTAutograd-cacheable OutputCode ---------------
+# torch._inductor.output_code.OutputCode (boxed __call__, prepare_for_serialization, post_compile,
+# set_triton_bundle): checked on 2.13.0, exists since 2.6. AOTAutograd's bundled cache
+# (BundledAOTAutogradResult) stores any OutputCode subclass whole and calls post_compile on load.
+from torch._inductor.output_code import OutputCode as OutputCode  # noqa: E402
+
+
+def serialization_wanted() -> bool:
+    """Checked on 2.13.0: torch._functorch.config.bundled_autograd_cache / force_autograd_cache
+    (aot_compile patches both) and torch._dynamo.config.caching_precompile decide whether
+    AOTAutograd bundles the compiled forward into its cache entry."""
+    import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
+
+    return bool(
+        getattr(functorch_config, "bundled_autograd_cache", False)
+        or getattr(functorch_config, "force_autograd_cache", False)
+        or getattr(dynamo_config, "caching_precompile", False)
+    )
+
+
+def serializable_aot_compiler(compiler: Callable[..., Any]) -> Any:
+    """Checked on 2.13.0: torch._functorch._aot_autograd.schemas.SerializableAOTDispatchCompiler;
+    AOTAutograd consults its cache only when fw_compiler is one (or force_autograd_cache)."""
+    from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
+
+    return SerializableAOTDispatchCompiler(OutputCode, compiler)
+
+
+def graph_pickle(gm: torch.fx.GraphModule, ops_filter: Callable[[str], bool]) -> bytes:
+    """Checked on 2.13.0: torch.fx._graph_pickler.GraphPickler.dumps with Options(ops_filter);
+    fake tensors in node.meta are pickled as metadata, an op the filter refuses bypasses the
+    cache (BypassFxGraphCache)."""
+    from torch.fx._graph_pickler import GraphPickler, Options
+
+    return GraphPickler.dumps(gm, Options(ops_filter=ops_filter))
+
+
+def graph_unpickle(data: bytes, example_inputs: Sequence[object]) -> torch.fx.GraphModule:
+    """Checked on 2.13.0: GraphPickler.loads(data, fake_mode); the fake mode comes from the
+    example inputs or the tracing context, else a fresh one (a cache load has neither)."""
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx._graph_pickler import GraphPickler
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(shape_env=ShapeEnv())
+    gm = GraphPickler.loads(data, fake_mode)
+    if not isinstance(gm, torch.fx.GraphModule):
+        raise TypeError(f"expected a GraphModule in the cache entry, got {type(gm).__name__}")
+    gm.recompile()
+    return gm
+
+
+def bypass_cache(reason: str) -> Exception:
+    """Checked on 2.13.0: torch._functorch._aot_autograd.autograd_cache.BypassAOTAutogradCache;
+    raised while saving, AOTAutograd skips the cache for this graph (or raises in strict mode)."""
+    from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
+
+    return BypassAOTAutogradCache(reason)

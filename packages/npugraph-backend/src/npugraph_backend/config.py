@@ -285,10 +285,11 @@ class CompilerConfig:
         return f"CompilerConfig({body})"
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_rebuild_config, (self.as_dict(),))
+        return (rebuild_config, (self.as_dict(),))
 
 
-def _rebuild_config(options: dict[str, object]) -> CompilerConfig:
+def rebuild_config(options: dict[str, object]) -> CompilerConfig:
+    """A config from ``as_dict()`` output (unpickling, cache loads)."""
     config = CompilerConfig()
     for name, value in options.items():
         if name == "data_dump_dir" and not os.path.isdir(str(value)):

@@ -1,0 +1,320 @@
+"""The forward compiler: AOT inference graph -> passes -> specs -> runtime GraphedCallable.
+
+``ForwardCompiler`` is a module-level, picklable object (its state is the options), so the cache
+can serialize the backend. ``CompiledGraph`` is what it returns: a boxed callable holding the
+optimized graph, its specs and the options as a plain dict; the device graphs are rebuilt when it
+is unpickled."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import logging
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import npugraph_runtime
+import torch
+import torch.fx
+from npugraph_passes import PassManager
+from npugraph_runtime import CapturePolicy, InputSpec, OutputSpec
+from npugraph_runtime.graphs import as_pool_handle
+
+from npugraph_backend import _compat
+from npugraph_backend.config import NPU_ONLY_OPTIONS, CompilerConfig, rebuild_config
+from npugraph_backend.logs import log
+from npugraph_backend.specs import build_specs
+
+
+class EagerFallbackWarning(UserWarning):
+    """A graph runs eagerly instead of being captured (the message says why)."""
+
+
+class NpuOnlyOptionWarning(UserWarning):
+    """An NPU-only option was set for a graph on another device, where it does nothing."""
+
+
+_graph_ids = itertools.count(1)
+_graph_ids_lock = threading.Lock()
+
+UNSAFE_NODES_META = "npugraph_ex_unsafe_nodes"
+
+
+def next_graph_name() -> str:
+    with _graph_ids_lock:
+        return f"graph_{next(_graph_ids)}"
+
+
+def device_of(example_inputs: Sequence[object]) -> torch.device:
+    """The device of the tensor inputs (all of them must agree); CPU for a graph without any."""
+    devices = {x.device for x in example_inputs if isinstance(x, torch.Tensor)}
+    devices.discard(torch.device("meta"))
+    if not devices:
+        return torch.device("cpu")
+    if len(devices) > 1:
+        accel = {d for d in devices if d.type != "cpu"}
+        # CPU scalars next to accelerator tensors are common (indices, lengths): the graph
+        # belongs to the accelerator; the runtime refuses truly mixed captures.
+        if len(accel) == 1:
+            return accel.pop()
+        raise npugraph_runtime.DeviceError(
+            f"graph inputs are on several devices {sorted(str(d) for d in devices)}; "
+            "a captured graph runs on one device"
+        )
+    return devices.pop()
+
+
+def warn_npu_only_options(config: CompilerConfig, device: torch.device) -> None:
+    """static_kernel_compile & co. mean something only on an Ascend NPU: one warning elsewhere."""
+    if device.type == "npu":
+        return
+    on = [name for name in NPU_ONLY_OPTIONS if getattr(config, name)]
+    if on:
+        warnings.warn(
+            f"options {', '.join(on)} are NPU features (static kernel compilation); on "
+            f"{device.type} they do nothing",
+            NpuOnlyOptionWarning,
+            stacklevel=3,
+        )
+
+
+def _dfx() -> Any:
+    """The DFX subpackage (debug dumps, data dump, profiler ranges), or None while it is absent."""
+    try:
+        return importlib.import_module("npugraph_backend.dfx.debug"), importlib.import_module(
+            "npugraph_backend.dfx.data_dump"
+        )
+    except ImportError:  # pragma: no cover - the DFX package lands separately
+        return None
+
+
+def begin_debug(dynamo_gm: torch.fx.GraphModule | None) -> Any:
+    """The TORCH_COMPILE_DEBUG session of one graph, or None when debugging is off."""
+    dfx = _dfx()
+    return dfx[0].DebugSession.begin(dynamo_gm) if dfx is not None else None
+
+
+def run_passes(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[object],
+    config: CompilerConfig,
+    observer: Callable[[str, torch.fx.GraphModule, Any], None] | None = None,
+) -> None:
+    """Custom pre pass, built-ins, custom post pass, then the capture-safety lint."""
+    pm = PassManager.from_config(config)
+    records = pm.run(gm, example_inputs, config, observer=observer)
+    if log.isEnabledFor(logging.DEBUG):
+        for r in records:
+            log.debug("pass %s: %.3f ms, changed=%s, %d -> %d nodes", r.name, r.seconds * 1e3,
+                      r.changed, r.nodes_before, r.nodes_after)
+
+
+def _dump_original(config: CompilerConfig) -> bool:
+    return config.dump_tensor_data and config.data_dump_stage == "original"
+
+
+class CompiledGraph:
+    """A compiled AOT forward: boxed callable (``compiled(list_of_args)``) as AOT expects.
+
+    State (``__getstate__``) is a plain dict: the optimized GraphModule, the input and output
+    specs, the options, the graph name, the device, and why it runs eagerly (or None). The
+    runtime's GraphedCallable (``.runner``) and its device graphs are rebuilt from it."""
+
+    _boxed_call = True
+
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        inputs: InputSpec,
+        outputs: OutputSpec,
+        config: CompilerConfig,
+        name: str,
+        device: torch.device,
+        eager_reason: str | None = None,
+        debug: Any = None,
+    ) -> None:
+        self.gm = gm
+        self.inputs = inputs
+        self.outputs = outputs
+        self.config = config
+        self.name = name
+        self.device = device
+        self.eager_reason = eager_reason
+        self.runner: Any = None
+        self._fn: Callable[..., Any] = gm.forward
+        self._build(debug)
+
+    def policy(self) -> CapturePolicy:
+        config = self.config
+        pool: object
+        if config.use_graph_pool is not None:
+            pool = as_pool_handle(config.use_graph_pool, self.device)
+        else:
+            pool = "shared" if config.reuse_graph_pool_in_same_fx else "private"
+        return CapturePolicy(
+            capture_limit=config.capture_limit,
+            force_recapture=config.force_recapture,
+            force_eager=config.force_eager,
+            clone_input=config.clone_input,
+            clone_output=config.clone_output,
+            pool=pool,
+            check_static_addresses=not config.frozen_parameter,
+            capture_error_mode=config.capture_error_mode,
+            name=self.name,
+        )
+
+    def _build(self, debug: Any = None) -> None:
+        dfx = _dfx() if self.config.dump_tensor_data or debug is not None else None
+        if dfx is not None and _dump_original(self.config):
+            # The un-optimised graph, run eagerly by the dumper: nothing is captured.
+            self.runner = None
+            self._fn = dfx[1].original_runner(self.gm, self.config)
+            return
+        if self.eager_reason is not None:
+            self.runner = None
+            fn: Callable[..., Any] = self.gm.forward
+        else:
+            policy = self.policy()
+            self.runner = npugraph_runtime.GraphedCallable(
+                self.gm.forward, self.inputs, policy, device=self.device, output_spec=self.outputs
+            )
+            fn = self.runner
+            if debug is not None and dfx is not None:
+                summary = dfx[0].spec_summary(self.gm, self.inputs, policy, self.outputs)
+                debug.output_code(self.gm, summary)
+                fn = debug.watch(self.runner, summary)
+        if dfx is not None:
+            fn = dfx[1].after_each_call(fn, self.gm)
+        self._fn = fn
+
+    def __call__(self, args: list[Any]) -> Any:
+        return self._fn(*args)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {
+            "gm": self.gm,
+            "inputs": self.inputs,
+            "outputs": self.outputs,
+            "config": self.config.as_dict(),
+            "name": self.name,
+            "device": str(self.device),
+            "eager_reason": self.eager_reason,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.gm = state["gm"]
+        self.inputs = state["inputs"]
+        self.outputs = state["outputs"]
+        self.config = rebuild_config(state["config"])
+        self.name = state["name"]
+        self.device = torch.device(state["device"])
+        self.eager_reason = state["eager_reason"]
+        self._build()
+
+    def __repr__(self) -> str:
+        how = f"eager ({self.eager_reason})" if self.eager_reason else "captured"
+        return f"CompiledGraph({self.name}, {self.device}, {how})"
+
+
+def compile_graph(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[object],
+    config: CompilerConfig,
+    debug: Any = None,
+) -> CompiledGraph:
+    """Passes, specs, then the runtime's GraphedCallable. ``config`` is not modified.
+    ``debug``: the TORCH_COMPILE_DEBUG session of this graph (None: begin one if enabled)."""
+    config = config.copy()
+    name = next_graph_name()
+    device = device_of(example_inputs)
+    if debug is None:
+        debug = begin_debug(None)
+    if debug is not None:
+        debug.forward_graph(gm)
+    # Specs first: the AOT descriptors and mutations describe the graph as AOT produced it.
+    specs = build_specs(gm, example_inputs)
+    log.debug("%s: input kinds %s (mapped by %s), output aliasing %s", name,
+              [k.value for k in specs.inputs.kinds], specs.how, specs.outputs.aliases_input)
+    if _dump_original(config):
+        return CompiledGraph(gm, specs.inputs, specs.outputs, config, name, device,
+                             "data_dump_stage='original' runs the original graph eagerly", debug)
+    run_passes(gm, example_inputs, config, debug.pass_observer if debug is not None else None)
+    if config.dump_tensor_data:
+        dfx = _dfx()
+        if dfx is not None:
+            dfx[1].instrument(gm, config)
+    gm.recompile()
+    eager_reason = None
+    unsafe = gm.meta.get(UNSAFE_NODES_META) or []
+    if unsafe and not config.force_eager:
+        described = "; ".join(str(u) for u in unsafe)
+        eager_reason = f"cannot be captured: {described}"
+        warnings.warn(
+            f"npugraph_ex: {name} runs eagerly (never captured) because it {eager_reason}",
+            EagerFallbackWarning,
+            stacklevel=2,
+        )
+        _compat.counters()[f"eager_fallback_due_to_unsafe_op_{name}"] += 1
+        log.info("%s falls back to eager: %s", name, eager_reason)
+    return CompiledGraph(gm, specs.inputs, specs.outputs, config, name, device, eager_reason,
+                         debug)
+
+
+class ForwardCompiler:
+    """AOT's inference compiler for one Dynamo graph. Picklable: its state is the options (the
+    debug session of the graph being compiled is not part of it)."""
+
+    def __init__(self, config: CompilerConfig, debug: Any = None) -> None:
+        self.config = config
+        self.debug = debug
+
+    def __call__(
+        self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]
+    ) -> CompiledGraph:
+        return compile_graph(gm, example_inputs, self.config, self.debug)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"config": self.config.as_dict()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.config = rebuild_config(state["config"])
+        self.debug = None
+
+
+class EagerCompiler:
+    """AOT's forward/backward compiler for a graph that needs gradients: run it eagerly."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def __call__(
+        self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]
+    ) -> Callable[[list[Any]], Any]:
+        warnings.warn(
+            f"npugraph_ex captures inference graphs only: a graph that {self.why} runs eagerly; "
+            "call the compiled model under torch.no_grad() or torch.inference_mode()",
+            EagerFallbackWarning,
+            stacklevel=2,
+        )
+        _compat.counters()["eager_fallback_due_to_requires_grad"] += 1
+        return _compat.make_boxed(gm.forward)
+
+
+def compile_fx(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[object] | None = None,
+    options: dict[str, object] | CompilerConfig | None = None,
+) -> CompiledGraph:
+    """Compile an AOT inference graph (after ``aot_module_simplified``) for custom backends.
+
+    ``example_inputs`` default to the placeholders' recorded values. For the input_inplace_pass
+    to update inputs in place, call ``aot_module_simplified`` with
+    ``keep_inference_input_mutations=True``. The result takes its arguments boxed (one list),
+    which is what AOT expects of a compiler's output."""
+    config = CompilerConfig.from_options(options)
+    if example_inputs is None:
+        example_inputs = [n.meta.get("val") for n in _compat.placeholders(gm)]
+    warn_npu_only_options(config, device_of(example_inputs))
+    return compile_graph(gm, list(example_inputs), config)

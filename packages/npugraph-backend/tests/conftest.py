@@ -1,0 +1,28 @@
+"""Every test starts with a fresh Dynamo cache and empty npugraph_ex counters."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+from npugraph_backend import _compat
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> Iterator[None]:
+    _compat.dynamo_reset()
+    _compat.dynamo_counters().clear()
+    torch.manual_seed(0)
+    yield
+    _compat.dynamo_reset()
+
+
+def _counter(prefix: str) -> int:
+    return sum(v for k, v in _compat.counters().items() if k.startswith(prefix))
+
+
+@pytest.fixture
+def counter() -> Callable[[str], int]:
+    """The sum of the npugraph_ex counters whose name starts with a prefix."""
+    return _counter

@@ -1,0 +1,307 @@
+"""Each option of the backend, on the CPU device graph, every output compared with eager."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import pytest
+import torch
+from npugraph_backend import EagerFallbackWarning, NpuOnlyOptionWarning, _compat
+
+
+class TwoLayer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def compiled(fn: object, dynamic: bool = False, **options: object) -> object:
+    return torch.compile(fn, backend="npugraph_ex", fullgraph=True, dynamic=dynamic,
+                         options=options or None)
+
+
+@torch.no_grad()
+def test_default_options_capture_once_and_replay_with_eager_results(counter: Callable[[str], int]) -> None:
+    model = TwoLayer()
+    f = compiled(model)
+    for _ in range(3):
+        x = torch.randn(2, 8)
+        torch.testing.assert_close(f(x), model(x))
+    assert counter("capture_due_to_new_key_") == 1
+    assert counter("captured_") == 1
+
+
+@torch.no_grad()
+def test_capture_limit_falls_back_to_eager_with_exactly_one_warning(counter: Callable[[str], int]) -> None:
+    f = compiled(lambda x: x * 2 + 1, dynamic=True, capture_limit=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in (2, 3, 4, 5, 4, 6):
+            x = torch.randn(n, 3)
+            torch.testing.assert_close(f(x), x * 2 + 1)
+    limit = [w for w in caught if "capture_limit" in str(w.message)]
+    assert len(limit) == 1, [str(w.message) for w in caught]
+    assert counter("eager_fallback_due_to_capture_limit_") >= 1
+    assert counter("capture_due_to_new_key_") == 2
+
+
+@torch.no_grad()
+def test_clone_output_off_returns_the_same_static_buffer_every_call() -> None:
+    model = TwoLayer()
+    f = compiled(model)
+    f(torch.randn(2, 8))  # warm-up (eager), then capture on the next call
+    x1, x2 = torch.randn(2, 8), torch.randn(2, 8)
+    out1 = f(x1)
+    ptr = out1.data_ptr()
+    out2 = f(x2)
+    assert out2.data_ptr() == ptr
+    torch.testing.assert_close(out2, model(x2))
+    torch.testing.assert_close(out1, model(x2))  # a static buffer holds the latest values
+
+
+@torch.no_grad()
+def test_clone_output_on_returns_fresh_tensors_that_stay_valid() -> None:
+    model = TwoLayer()
+    f = compiled(model, clone_output=True)
+    x1, x2 = torch.randn(2, 8), torch.randn(2, 8)
+    out1 = f(x1)
+    out2 = f(x2)
+    assert out1.untyped_storage().data_ptr() != out2.untyped_storage().data_ptr()
+    torch.testing.assert_close(out1, model(x1))
+    torch.testing.assert_close(out2, model(x2))
+
+
+@pytest.mark.parametrize("clone_input", [True, False])
+@torch.no_grad()
+def test_clone_input_with_inputs_at_changing_addresses(clone_input: bool) -> None:
+    model = TwoLayer()
+    f = compiled(model, clone_input=clone_input)
+    xs = [torch.randn(2, 8) for _ in range(4)]
+    kept = [x.clone() for x in xs]
+    for x, k in zip(xs, kept, strict=True):
+        torch.testing.assert_close(f(x), model(k))
+    if clone_input:
+        # The capture owns its buffers: the caller's tensors are never written.
+        for x, k in zip(xs, kept, strict=True):
+            assert torch.equal(x, k)
+
+
+class KVStep(torch.nn.Module):
+    """One decode step writing its key into a cache in place (index_copy_), then attending."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        cache.index_copy_(0, pos, self.proj(x))
+        return torch.softmax(x @ cache.T, dim=-1) @ cache
+
+
+@torch.no_grad()
+def test_kv_cache_updated_in_place_and_a_new_cache_is_recaptured(counter: Callable[[str], int]) -> None:
+    model = KVStep()
+    f = compiled(model)
+    cache, ref_cache = torch.zeros(6, 4), torch.zeros(6, 4)
+    for step in range(3):
+        x, pos = torch.randn(1, 4), torch.tensor([step])
+        torch.testing.assert_close(f(x, pos, cache), model(x, pos, ref_cache))
+        torch.testing.assert_close(cache, ref_cache)
+    assert counter("captured_") == 1
+
+    old = cache.clone()
+    new_cache, new_ref = torch.randn(6, 4), None
+    new_ref = new_cache.clone()
+    x, pos = torch.randn(1, 4), torch.tensor([4])
+    torch.testing.assert_close(f(x, pos, new_cache), model(x, pos, new_ref))
+    torch.testing.assert_close(new_cache, new_ref)
+    assert torch.equal(cache, old), "the old cache must not be written by the new capture"
+    assert counter("recapture_due_to_mutated_input_change_") == 1
+    # Back on the old cache: still right.
+    ref_old = old.clone()
+    x = torch.randn(1, 4)
+    torch.testing.assert_close(f(x, torch.tensor([5]), cache), model(x, torch.tensor([5]), ref_old))
+    torch.testing.assert_close(cache, ref_old)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+@torch.no_grad()
+def test_parameters_updated_in_place_are_seen_by_replay(frozen: bool) -> None:
+    model = TwoLayer()
+    f = compiled(model, frozen_parameter=frozen)
+    x = torch.randn(2, 8)
+    f(x)
+    model.a.weight.mul_(2)
+    model.b.bias.add_(1)
+    torch.testing.assert_close(f(x), model(x))
+
+
+@torch.no_grad()
+def test_rebound_parameter_is_honoured_without_frozen_parameter(counter: Callable[[str], int]) -> None:
+    model = TwoLayer()
+    f = compiled(model)
+    x = torch.randn(2, 8)
+    f(x)
+    model.a.weight.data = torch.randn(8, 8)  # new storage, new address
+    torch.testing.assert_close(f(x), model(x))
+    assert counter("recapture_due_to_static_input_change_") == 1
+
+
+@torch.no_grad()
+def test_frozen_parameter_skips_the_address_check_of_parameters(counter: Callable[[str], int]) -> None:
+    model = TwoLayer()
+    f = compiled(model, frozen_parameter=True)
+    x = torch.randn(2, 8)
+    f(x)
+    f(x)
+    assert counter("recapture_due_to_static_input_change_") == 0
+    assert counter("capture_due_to_new_key_") == 1
+
+
+@torch.no_grad()
+def test_force_eager_never_captures_and_counts_it(counter: Callable[[str], int]) -> None:
+    model = TwoLayer()
+    f = compiled(model, force_eager=True)
+    for _ in range(2):
+        x = torch.randn(2, 8)
+        torch.testing.assert_close(f(x), model(x))
+    assert counter("capture_due_to_new_key_") == 0
+    assert counter("eager_fallback_due_to_force_eager_") >= 1
+
+
+@torch.no_grad()
+def test_force_recapture_recaptures_every_call_and_counts_it(counter: Callable[[str], int]) -> None:
+    model = TwoLayer()
+    f = compiled(model, force_recapture=True)
+    for _ in range(4):
+        x = torch.randn(2, 8)
+        torch.testing.assert_close(f(x), model(x))
+    assert counter("recapture_due_to_force_recapture_") == 3
+
+
+@torch.no_grad()
+def test_dynamic_shapes_one_fx_graph_one_capture_per_key(counter: Callable[[str], int]) -> None:
+    f = compiled(lambda x, y: (x @ y).relu(), dynamic=True)
+    for n in (2, 3, 2, 3, 4):
+        x, y = torch.randn(n, 5), torch.randn(5, 3)
+        torch.testing.assert_close(f(x, y), (x @ y).relu())
+    assert _compat.dynamo_counters()["stats"]["unique_graphs"] == 1
+    assert counter("capture_due_to_new_key_") == 3
+    assert counter("captured_") == 3
+
+
+@pytest.mark.parametrize("reuse", [True, False])
+@torch.no_grad()
+def test_pool_choice_within_one_fx_graph_keeps_results_right(reuse: bool) -> None:
+    f = compiled(lambda x: torch.tanh(x) * 3, dynamic=True, reuse_graph_pool_in_same_fx=reuse)
+    outs = []
+    xs = [torch.randn(n, 4) for n in (2, 3, 4)]
+    for x in xs:
+        outs.append(f(x).clone())
+    for x, out in zip(xs, outs, strict=True):
+        torch.testing.assert_close(out, torch.tanh(x) * 3)
+        torch.testing.assert_close(f(x), torch.tanh(x) * 3)
+
+
+@torch.no_grad()
+def test_use_graph_pool_shared_by_two_compiled_functions() -> None:
+    import npugraph_ex
+
+    pool = npugraph_ex.graph_pool_handle("cpu")
+    f = compiled(lambda x: x.sin() + 1, use_graph_pool=pool)
+    g = compiled(lambda x: x.cos() * 2, use_graph_pool=pool)
+    x = torch.randn(3, 3)
+    a = f(x).clone()
+    b = g(x).clone()
+    torch.testing.assert_close(a, x.sin() + 1)
+    torch.testing.assert_close(b, x.cos() * 2)
+
+
+@torch.no_grad()
+def test_graph_with_rng_runs_eagerly_with_one_warning_never_frozen_numbers(counter: Callable[[str], int]) -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x + torch.rand_like(x)
+
+    g = compiled(f)
+    x = torch.zeros(16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.manual_seed(1)
+        first = g(x)
+        second = g(x)
+    torch.manual_seed(1)
+    torch.testing.assert_close(first, f(x))
+    torch.testing.assert_close(second, f(x))
+    assert not torch.equal(first, second)
+    rng = [w for w in caught if issubclass(w.category, EagerFallbackWarning)]
+    assert len(rng) == 1 and "rand_like" in str(rng[0].message)
+    assert "test_options.py" in str(rng[0].message), "the user's source line is named"
+    assert counter("eager_fallback_due_to_unsafe_op_") == 1
+
+
+def test_mode_is_ignored_with_one_warning() -> None:
+    from npugraph_backend import ModeIgnoredWarning
+
+    model = TwoLayer()
+    f = torch.compile(model, backend="npugraph_ex", mode="reduce-overhead", fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        x = torch.randn(2, 8)
+        torch.testing.assert_close(f(x), model(x))
+        f(x)
+    assert len([w for w in caught if issubclass(w.category, ModeIgnoredWarning)]) == 1
+
+
+def test_unknown_backend_keyword_is_refused() -> None:
+    from npugraph_backend import OptionError, npugraph_ex_backend
+
+    gm = torch.fx.symbolic_trace(TwoLayer())
+    with pytest.raises(OptionError, match="bogus"):
+        npugraph_ex_backend(gm, [torch.randn(2, 8)], bogus=1)
+
+
+def test_invalid_options_are_refused_at_compile() -> None:
+    f = compiled(lambda x: x + 1, capture_limit="64")
+    with pytest.raises(Exception, match="capture_limit"):
+        f(torch.randn(2))
+
+
+def test_graph_needing_gradients_runs_eagerly_with_a_warning(counter: Callable[[str], int]) -> None:
+    model = TwoLayer()
+    f = compiled(model)
+    x = torch.randn(2, 8)
+    with pytest.warns(EagerFallbackWarning, match="no_grad"):
+        out = f(x)
+    torch.testing.assert_close(out, model(x))
+    out.sum().backward()
+    assert model.a.weight.grad is not None
+    assert counter("capture_due_to_new_key_") == 0
+
+
+@torch.no_grad()
+def test_npu_only_options_warn_once_on_cpu_and_do_nothing() -> None:
+    model = TwoLayer()
+    f = compiled(model, static_kernel_compile=True, disable_static_kernel_compile_cache=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        x = torch.randn(2, 8)
+        torch.testing.assert_close(f(x), model(x))
+        f(x)
+    npu = [w for w in caught if issubclass(w.category, NpuOnlyOptionWarning)]
+    assert len(npu) == 1 and "static_kernel_compile" in str(npu[0].message)
+
+
+@torch.no_grad()
+def test_options_do_not_leak_between_compiles(counter: Callable[[str], int]) -> None:
+    model = TwoLayer()
+    eager_f = compiled(model, force_eager=True)
+    x = torch.randn(2, 8)
+    eager_f(x)
+    plain = torch.compile(TwoLayer(), backend="npugraph_ex", fullgraph=True, dynamic=False)
+    plain(x)
+    assert counter("capture_due_to_new_key_") == 1
