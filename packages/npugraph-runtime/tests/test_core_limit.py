@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
 
@@ -170,3 +172,53 @@ def test_compiled_values_out_of_range_are_refused_with_the_argument_named() -> N
 
     with pytest.raises(Exception, match="op_aicore_num"):
         torch.compile(fn, backend="aot_eager", fullgraph=True)(torch.ones(2))
+
+
+
+# torch_npu stands in for hardware this machine lacks: a fake ``torch.npu`` records the stream
+# limits the scope sets. It runs in a subprocess because naming the privateuse1 backend "npu"
+# (needed for torch.device("npu")) cannot be undone in a process.
+_NPU_SCRIPT = """
+import torch
+torch.utils.rename_privateuse1_backend("npu")
+
+class FakeNpu:
+    def __init__(self):
+        self.limits = {"cube_core_num": 24, "vector_core_num": 48}
+        self.calls = []
+    def is_available(self): return True
+    def current_device(self): return 0
+    def current_stream(self, device=None): return "stream0"
+    def get_stream_limit(self, stream): return dict(self.limits)
+    def set_stream_limit(self, stream, cube, vector):
+        self.calls.append((stream, cube, vector))
+        self.limits = {"cube_core_num": cube, "vector_core_num": vector}
+    def get_device_limit(self, index): return {"cube_core_num": 24, "vector_core_num": 48}
+
+npu = torch.npu = FakeNpu()
+import npugraph_runtime as ngr
+from npugraph_runtime.core_limit import default_device
+assert default_device() == torch.device("npu", 0)
+assert ngr.max_core_num("npu") == (24, 48)
+with ngr.limit_core_num(8, 16):
+    assert npu.limits == {"cube_core_num": 8, "vector_core_num": 16}
+    with ngr.limit_core_num(4, 4):
+        assert ngr.current_core_limit() == ("npu", 4, 4)
+    assert npu.limits == {"cube_core_num": 8, "vector_core_num": 16}
+assert npu.calls == [("stream0", 8, 16), ("stream0", 4, 4), ("stream0", 8, 16),
+                     ("stream0", 24, 48)], npu.calls
+for bad in (49, 0):
+    try:
+        ngr.limit_core_num(8, bad)
+    except ValueError as e:
+        assert str(e).startswith(f"op_vectorcore_num={bad} ") and "from 1 to 48" in str(e), e
+    else:
+        raise AssertionError(bad)
+print("ok")
+"""
+
+
+def test_npu_stream_limits_are_set_and_restored() -> None:
+    done = subprocess.run([sys.executable, "-c", _NPU_SCRIPT], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
