@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
+
 import pytest
 import torch
 
@@ -14,7 +17,7 @@ def _seed() -> None:
 def mlp(sizes: tuple[int, ...] = (32, 64, 64, 16)) -> torch.nn.Module:
     """A small ReLU MLP in eval mode."""
     layers: list[torch.nn.Module] = []
-    for a, b in zip(sizes, sizes[1:], strict=False):
+    for a, b in itertools.pairwise(sizes):
         layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
     return torch.nn.Sequential(*layers[:-1]).eval()
 
@@ -22,3 +25,9 @@ def mlp(sizes: tuple[int, ...] = (32, 64, 64, 16)) -> torch.nn.Module:
 @pytest.fixture
 def small_mlp() -> torch.nn.Module:
     return mlp()
+
+
+@pytest.fixture
+def make_mlp() -> Callable[..., torch.nn.Module]:
+    """``make_mlp(sizes)``: a fresh MLP (tests import no helpers under --import-mode=importlib)."""
+    return mlp

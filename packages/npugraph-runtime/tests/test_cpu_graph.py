@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-import pytest
-import torch
+import threading
+import warnings
+from collections.abc import Callable
+from typing import Any
 
 import npugraph_runtime as ngr
+import pytest
+import torch
+from npugraph_runtime.devices import backend_for
 
 
-def capture(fn, *args, **kw):  # type: ignore[no-untyped-def]
+def capture(fn: Callable[..., Any], *args: Any, **graph_kwargs: Any) -> tuple[Any, Any]:
     g = ngr.Graph("cpu")
-    with torch.no_grad(), ngr.graph(g, **kw):
+    with torch.no_grad(), ngr.graph(g, **graph_kwargs):
         out = fn(*args)
     return g, out
 
@@ -23,3 +28,270 @@ def test_mlp_replay_matches_eager_after_new_inputs(small_mlp: torch.nn.Module) -
         g.replay()
         with torch.no_grad():
             torch.testing.assert_close(y, small_mlp(x), rtol=0, atol=0)
+
+
+def test_outputs_keep_their_address_across_replays(small_mlp: torch.nn.Module) -> None:
+    x = torch.randn(2, 32)
+    g, y = capture(small_mlp, x)
+    ptr = y.data_ptr()
+    for _ in range(3):
+        x.normal_()
+        g.replay()
+        assert y.data_ptr() == ptr
+    with torch.no_grad():
+        torch.testing.assert_close(y, small_mlp(x), rtol=0, atol=0)
+
+
+def test_capture_with_grad_enabled_replays_like_eager(small_mlp: torch.nn.Module) -> None:
+    x = torch.randn(3, 32)
+    g = ngr.Graph("cpu")
+    with ngr.graph(g):  # parameters require grad; replay must still write in place
+        y = small_mlp(x)
+    x.copy_(torch.randn(3, 32))
+    g.replay()
+    torch.testing.assert_close(y.detach(), small_mlp(x).detach(), rtol=0, atol=0)
+    assert torch.is_grad_enabled()
+
+
+def test_replay_reuses_recorded_views_and_multi_output_ops() -> None:
+    x = torch.randn(4, 6, 8)
+
+    def fn(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        v = t.transpose(0, 1)[1:5].reshape(4, 32)
+        values, indices = v.max(dim=1)
+        out, _, _ = torch.ops.aten.native_layer_norm.default(v, [32], None, None, 1e-5)
+        return values * 2, indices, out.cumsum(0)
+
+    g, outs = capture(fn, x)
+    x.copy_(torch.randn(4, 6, 8))
+    g.replay()
+    for got, want in zip(outs, fn(x), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_in_place_side_effect_applies_once_per_replay_not_at_capture() -> None:
+    counter = torch.zeros(3)
+    step = torch.tensor([1.0, 2.0, 3.0])
+    g, _ = capture(lambda: counter.add_(step))
+    torch.testing.assert_close(counter, torch.zeros(3))
+    g.replay()
+    g.replay()
+    torch.testing.assert_close(counter, 2 * step)
+
+
+def test_static_cache_update_in_place_matches_eager() -> None:
+    cache = torch.zeros(8, 4)
+    pos = torch.tensor([0])
+    new = torch.randn(1, 4)
+
+    def write_and_sum() -> torch.Tensor:
+        cache.index_copy_(0, pos, new)
+        return cache.sum(0) * 2
+
+    g, out = capture(write_and_sum)
+    assert torch.count_nonzero(cache) == 0  # the capture wrote nothing
+    ref = torch.zeros(8, 4)
+    for i in range(4):
+        pos.fill_(i)
+        new.normal_()
+        g.replay()
+        ref.index_copy_(0, pos, new)
+        torch.testing.assert_close(cache, ref, rtol=0, atol=0)
+        torch.testing.assert_close(out, ref.sum(0) * 2, rtol=0, atol=0)
+
+
+def test_intermediate_written_in_place_is_recomputed_each_replay() -> None:
+    x = torch.randn(5)
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        buf = torch.zeros(5)
+        buf.add_(t).mul_(3)
+        buf[1:3] = 7.0
+        return buf.exp()
+
+    g, out = capture(fn, x)
+    for _ in range(2):
+        x.normal_()
+        g.replay()
+        torch.testing.assert_close(out, fn(x), rtol=0, atol=0)
+
+
+def test_recorded_ops_counts_replayed_ops_not_views() -> None:
+    x = torch.randn(4, 4)
+    g, _ = capture(lambda t: (t.t() + 1)[1:].relu(), x)
+    assert g.recorded_ops() == 2  # add, relu; t() and the slice are free
+
+
+@pytest.mark.parametrize(
+    ("fn", "op_name"),
+    [
+        (lambda t: t * t.sum().item(), "aten._local_scalar_dense.default"),
+        (lambda t: t.nonzero(), "aten.nonzero.default"),
+        (lambda t: t + torch.rand_like(t), "aten.rand_like.default"),
+    ],
+    ids=["item", "nonzero", "rand_like"],
+)
+def test_unsafe_op_is_refused_with_its_name(fn: Callable[[torch.Tensor], Any], op_name: str) -> None:
+    x = torch.randn(4)
+    g = ngr.Graph("cpu")
+    with pytest.raises(ngr.CaptureError, match=op_name.replace(".", r"\.")), ngr.graph(g):
+        fn(x)
+    with pytest.raises(ngr.CaptureError, match="no capture"):
+        g.replay()
+
+
+def test_thread_local_mode_refuses_unsafe_ops_too() -> None:
+    x = torch.randn(4)
+    g = ngr.Graph("cpu")
+    with pytest.raises(ngr.CaptureError, match="thread_local"), ngr.graph(
+        g, capture_error_mode="thread_local"
+    ):
+        x.sum().item()
+
+
+def test_refused_capture_restores_inputs_and_allows_a_new_capture() -> None:
+    state = torch.ones(3)
+    g = ngr.Graph("cpu")
+    with pytest.raises(ngr.CaptureError), ngr.graph(g):
+        state.mul_(5)
+        state.sum().item()
+    torch.testing.assert_close(state, torch.ones(3))
+    with ngr.graph(g):
+        state.mul_(2)
+    g.replay()
+    torch.testing.assert_close(state, torch.full((3,), 2.0))
+
+
+def test_relaxed_mode_warns_once_and_replays_captured_values() -> None:
+    x = torch.randn(6)
+    g = ngr.Graph("cpu")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ngr.graph(g, capture_error_mode="relaxed"):
+            noise = torch.rand_like(x)
+            out = x + noise
+            noise2 = torch.randn(6)
+            out2 = out * noise2
+    relaxed = [w for w in caught if "relaxed" in str(w.message)]
+    assert len(relaxed) == 1
+    assert "aten.rand_like.default" in str(relaxed[0].message)
+    captured_noise, captured_noise2 = noise.clone(), noise2.clone()
+    x.copy_(torch.randn(6))
+    g.replay()
+    torch.testing.assert_close(noise, captured_noise, rtol=0, atol=0)
+    torch.testing.assert_close(out, x + captured_noise, rtol=0, atol=0)
+    torch.testing.assert_close(out2, (x + captured_noise) * captured_noise2, rtol=0, atol=0)
+
+
+def test_tensor_of_another_device_is_a_device_error() -> None:
+    x = torch.randn(3)
+    meta = torch.empty(3, device="meta")
+    g = ngr.Graph("cpu")
+    with pytest.raises(ngr.DeviceError, match="meta"), ngr.graph(g):
+        torch.add(x, meta)
+    with pytest.raises(ngr.CaptureError):
+        g.replay()
+
+
+def test_cross_device_copy_is_refused() -> None:
+    x = torch.randn(3)
+    g = ngr.Graph("cpu")
+    with pytest.raises(ngr.CaptureError, match=r"aten\._to_copy\.default.*between devices"), ngr.graph(g):
+        x.to("meta")
+
+
+def test_replay_before_capture_is_a_capture_error() -> None:
+    with pytest.raises(ngr.CaptureError, match="capture it first"):
+        ngr.Graph("cpu").replay()
+
+
+def test_capture_inside_capture_is_a_capture_error() -> None:
+    x = torch.randn(3)
+    before = x.clone()
+    outer, inner = ngr.Graph("cpu"), ngr.Graph("cpu")
+    with pytest.raises(ngr.CaptureError, match="cannot nest"), ngr.graph(outer):
+        x.add_(1)
+        with ngr.graph(inner):
+            pass
+    torch.testing.assert_close(x, before, rtol=0, atol=0)  # the aborted capture wrote nothing
+    with pytest.raises(ngr.CaptureError):
+        outer.replay()
+
+
+def test_capture_end_without_begin_is_a_capture_error() -> None:
+    with pytest.raises(ngr.CaptureError, match="without capture_begin"):
+        ngr.Graph("cpu").capture_end()
+
+
+def test_reset_while_capturing_is_a_capture_error_and_capture_goes_on() -> None:
+    x = torch.randn(3)
+    g = ngr.Graph("cpu")
+    g.capture_begin()
+    y = x * 2
+    with pytest.raises(ngr.CaptureError, match="while the graph is capturing"):
+        g.reset()
+    g.capture_end()
+    x.copy_(torch.randn(3))
+    g.replay()
+    torch.testing.assert_close(y, x * 2)
+
+
+def test_reset_drops_the_capture() -> None:
+    x = torch.randn(3)
+    g, _ = capture(lambda t: t + 1, x)
+    g.reset()
+    with pytest.raises(ngr.CaptureError):
+        g.replay()
+
+
+def test_unknown_capture_error_mode_is_a_policy_error() -> None:
+    with pytest.raises(ngr.PolicyError, match=r"capture_error_mode='loose'.*relaxed"):
+        ngr.Graph("cpu").capture_begin(capture_error_mode="loose")
+
+
+def test_unknown_device_names_the_supported_ones() -> None:
+    with pytest.raises(ngr.DeviceError, match=r"'tpu'.*'cpu', 'cuda', 'npu'"):
+        ngr.Graph("tpu")
+    with pytest.raises(ngr.DeviceError, match="'cpu', 'cuda', 'npu'"):
+        backend_for("not-a-device")
+
+
+def test_other_threads_ops_are_not_recorded() -> None:
+    x = torch.randn(3)
+    side = torch.zeros(3)
+    g = ngr.Graph("cpu")
+    with ngr.graph(g):
+        worker = threading.Thread(target=lambda: side.add_(1))
+        worker.start()
+        worker.join()
+        y = x + 1
+    torch.testing.assert_close(side, torch.ones(3))  # ran eagerly, once
+    g.replay()
+    torch.testing.assert_close(side, torch.ones(3))
+    torch.testing.assert_close(y, x + 1)
+
+
+def test_collective_result_is_waited_for_and_copied() -> None:
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        group = dist.group.WORLD.group_name
+        x = torch.randn(4)
+
+        def fn(t: torch.Tensor) -> torch.Tensor:
+            r = torch.ops._c10d_functional.all_reduce(t * 2, "sum", group)
+            return torch.ops._c10d_functional.wait_tensor(r) + 1
+
+        g, out = capture(fn, x)
+        x.copy_(torch.randn(4))
+        g.replay()
+        torch.testing.assert_close(out, x * 2 + 1)
+    finally:
+        dist.destroy_process_group()

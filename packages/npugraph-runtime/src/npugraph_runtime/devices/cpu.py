@@ -217,8 +217,9 @@ def _place_intermediates(recorder: Recorder, pool: CpuPool) -> list[Block]:
         if entry.obj is None:
             storage, offset = home[entry.storage]
             itemsize = torch.empty((), dtype=entry.dtype).element_size()
+            entry.offset += offset // itemsize
             entry.obj = torch.empty(0, dtype=entry.dtype).set_(
-                storage, offset // itemsize + entry.offset, entry.size, entry.stride
+                storage, entry.offset, entry.size, entry.stride
             )
     return [p.block for p in placements]
 

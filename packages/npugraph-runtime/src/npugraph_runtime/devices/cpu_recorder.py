@@ -107,6 +107,25 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(v)
 
 
+def _argument(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == name:
+            if i < len(args) and not arg.kwarg_only:
+                return args[i]
+            return kwargs.get(name, arg.default_value if arg.has_default_value() else None)
+    return None
+
+
+def _draws_nothing(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Ops tagged as seeded that draw no random number with these arguments: attention and
+    dropout with probability 0 (SDPA kernels carry the tag for their dropout) or not training."""
+    names = {a.name for a in func._schema.arguments}
+    for p_name in ("dropout_p", "p"):
+        if p_name in names and _argument(func, args, kwargs, p_name) == 0:
+            return True
+    return "train" in names and _argument(func, args, kwargs, "train") is False
+
+
 def _plain(t: torch.Tensor) -> bool:
     return (
         t.layout == torch.strided
@@ -228,6 +247,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
         for tag_name, why in _UNSAFE_TAGS:
             tag = getattr(torch.Tag, tag_name, None)
             if tag is not None and tag in tags:
+                if tag_name == "nondeterministic_seeded" and _draws_nothing(func, args, kwargs):
+                    continue
                 return why
         reason = _UNSAFE_NAMES.get(name)
         if reason is not None:
