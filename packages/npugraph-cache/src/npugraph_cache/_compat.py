@@ -34,9 +34,17 @@ def aot_compile(
     dynamic: bool,
 ) -> Any:
     """Checked on torch 2.13.0: ``torch.compile(fullgraph=True).aot_compile(((args), {kwargs}))``
-    traces ``fn`` once, keeps its guards, and returns an ``AOTCompiledFunction``."""
+    traces ``fn`` once, keeps its guards, and returns an ``AOTCompiledFunction``.
+
+    ``torch._dynamo.config.specialize_float`` is set: with dynamic=True dynamo makes Python
+    floats symbolic and AOT's tensorify pass then asks for a restart with the float specialised,
+    which torch.compile does but aot_compile cannot (TensorifyScalarRestartAnalysis escapes);
+    specialising up front gives the graph the restart would have given."""
+    import torch._dynamo.config as dynamo_config
+
     compiled = torch.compile(fn, fullgraph=True, backend=backend, dynamic=dynamic)
-    return compiled.aot_compile((args, kwargs))  # type: ignore[attr-defined]
+    with dynamo_config.patch(specialize_float=True):
+        return compiled.aot_compile((args, kwargs))  # type: ignore[attr-defined]
 
 
 def serialize_compiled(compiled: Any) -> bytes:
