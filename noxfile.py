@@ -99,3 +99,10 @@ def ci(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
     session.run("mypy", *[f"packages/{pkg}/src" for pkg in PACKAGES], "src")
     _pytest(session)
+
+
+@nox.session(python=False)
+def gpu(session: nox.Session) -> None:
+    """GPU check on a machine with no network: installs nothing, runs scripts/gpu_check.sh
+    (cuda tests, demo and benchmarks on cuda; results in $OUT, default ./gpu-results)."""
+    session.run("bash", "scripts/gpu_check.sh", *session.posargs, external=True)

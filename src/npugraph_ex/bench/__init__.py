@@ -1,0 +1,130 @@
+"""`npugraph-ex bench`: the benchmark suite, side by side in one process.
+
+Sections (select with ``--only a,c``): (a) replay-path host overhead, (b) runtime replay vs the
+FX GraphModule vs eager, (c) decode-step latency per compiler, (d) compile and warm-start time
+with and without cache_compile, (e) pool sharing, (f) the passes' effect, (g) overhead with
+logging disabled and no profiler. Writes ``bench.json`` and ``bench.png`` into ``--out``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from npugraph_ex.bench.context import BenchContext, fmt_exc
+from npugraph_ex.bench.report import Section, environment, plot, print_table, write_json
+from npugraph_ex.models import best_device
+
+SECTIONS: dict[str, tuple[str, str]] = {
+    "a": ("npugraph_ex.bench.overhead", "run_overhead"),
+    "b": ("npugraph_ex.bench.replay", "run"),
+    "c": ("npugraph_ex.bench.decode", "run"),
+    "d": ("npugraph_ex.bench.compile_cache", "run"),
+    "e": ("npugraph_ex.bench.pools", "run"),
+    "f": ("npugraph_ex.bench.passes", "run"),
+    "g": ("npugraph_ex.bench.overhead", "run_quiet"),
+}
+TITLES = {
+    "a": "replay-path host overhead",
+    "b": "replay vs GraphModule vs eager",
+    "c": "decode-step latency per compiler",
+    "d": "compile and warm-start time, cache_compile",
+    "e": "pool sharing across 8 batch sizes",
+    "f": "the passes' effect on the Llama decode graph",
+    "g": "overhead with logging disabled and no profiler",
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="npugraph-ex bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png")
+    p.add_argument("--only", default="", help="comma-separated sections to run, e.g. a,c (default: all)")
+    p.add_argument("--quick", action="store_true", help="a fast smoke run (fewer, smaller cases)")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: the best present)")
+    p.add_argument("--runs", type=int, default=None, help="timed samples per figure (>= 20)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="intra-op CPU threads (default on the CPU: 1, so that timings on a shared "
+                        "machine are stable; elsewhere torch's default)")
+    p.add_argument("--inductor-budget", type=float, default=300.0,
+                   help="seconds after which an inductor compile is given up and noted (default 300)")
+    p.add_argument("--budget", type=float, default=0.0,
+                   help="seconds for the whole suite: sections not started by then are skipped "
+                        "with a note (default: no limit)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+def selected(only: str) -> list[str]:
+    if not only:
+        return list(SECTIONS)
+    keys = [k.strip().lower() for k in only.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in SECTIONS]
+    if unknown:
+        raise SystemExit(f"--only {only!r}: unknown section(s) {', '.join(unknown)}; "
+                         f"use any of {','.join(SECTIONS)}")
+    return keys
+
+
+def run_section(ctx: BenchContext, key: str) -> Section:
+    module, func = SECTIONS[key]
+    start = time.perf_counter()
+    try:
+        fn: Callable[[BenchContext], Section] = getattr(importlib.import_module(module), func)
+        sec = fn(ctx)
+    except Exception as exc:  # one broken section must not lose the others' figures
+        sec = Section(key, TITLES[key], error=fmt_exc(exc))
+        sec.data["traceback"] = traceback.format_exc()
+    sec.seconds = time.perf_counter() - start
+    return sec
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    keys = selected(args.only)
+    device = torch.device(args.device) if args.device else best_device()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = args.runs if args.runs is not None else (20 if args.quick else 30)
+    if runs < 20:
+        raise SystemExit(f"--runs {runs}: the suite reports medians of at least 20 runs")
+    threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else 0)
+    if threads > 0:
+        torch.set_num_threads(threads)
+    ctx = BenchContext(device=device, out=out, quick=args.quick, runs=runs,
+                       inductor_budget_s=args.inductor_budget, progress=not args.no_progress)
+    env = environment(device)
+    print(f"npugraph-ex bench on {device} ({env['device_name']}), torch {env['torch']}, "
+          f"{env['cores']} cores, sections {','.join(keys)}{' (quick)' if args.quick else ''}",
+          flush=True)
+    sections: list[Section] = []
+    started = time.perf_counter()
+    for key in keys:
+        elapsed = time.perf_counter() - started
+        if args.budget and elapsed > args.budget:
+            sec = Section(key, TITLES[key], error=f"not run: the --budget of {args.budget:.0f} s "
+                                                  f"was spent after {elapsed:.0f} s")
+        else:
+            print(f"-- ({key}) {TITLES[key]} ...", flush=True)
+            sec = run_section(ctx, key)
+        sections.append(sec)
+        print_table([sec])
+        env["total_seconds"] = round(time.perf_counter() - started, 1)
+        write_json(out / "bench.json", env, sections)  # after each section: a killed run keeps its figures
+    drew = plot(out / "bench.png", sections, f"npugraph-ex bench: {device}, torch {env['torch']}")
+    print("\n==== summary")
+    print_table(sections)
+    misses = [f"({s.key}) {f.name}" for s in sections for f in s.figures if f.status == "MISS"]
+    errors = [f"({s.key}) {s.error}" for s in sections if s.error]
+    print(f"\n{len(misses)} target(s) missed" + (": " + "; ".join(misses) if misses else ""))
+    if errors:
+        print("sections that failed: " + "; ".join(errors))
+    print(f"wrote {out / 'bench.json'}" + (f" and {out / 'bench.png'}" if drew else
+                                          " (no PNG: matplotlib missing)")
+          + f" in {env['total_seconds']} s")
+    return 1 if errors else 0

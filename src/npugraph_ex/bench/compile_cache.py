@@ -1,0 +1,145 @@
+"""(d) Compile time and warm-start time, with and without ``npugraph_ex.inference.cache_compile``,
+each in a fresh subprocess.
+
+The workload: a tiny transformers Llama forward over 16 tokens (no KV cache) returning greedy
+tokens. "First call" = from compiling to the first output (dynamo, AOT, passes and capture; or
+loading the cache entry and capturing). Runs: without cache_compile twice (cold, then warm with
+torch's own caches), with it twice (cold: compiles and writes; warm: loads). Target (issue 7):
+warm start with cache_compile <= 0.1x the cold compile."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from npugraph_ex.bench.context import BenchContext, fmt_exc
+from npugraph_ex.bench.report import Figure, Section
+
+TARGET = 0.1
+CHILD_TIMEOUT_S = 300
+
+
+class GreedyLogits(nn.Module):
+    """A causal LM's greedy tokens for a whole sequence."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.lm(input_ids=ids, use_cache=False)
+        logits = out.logits if hasattr(out, "logits") else out[0]
+        tokens: torch.Tensor = logits.argmax(dim=-1)
+        return tokens
+
+
+def _child(mode: str, cache_dir: str, device: str) -> dict[str, Any]:
+    from npugraph_ex.bench.backends import compile_with
+    from npugraph_ex.models import build_decoder, synchronize
+
+    torch.set_num_threads(1)
+    dev = torch.device(device)
+    dec = build_decoder("llama", "tiny", dev)
+    if dec.family == "builtin":
+        raise RuntimeError("needs transformers (the cached function is a transformers Llama)")
+    module = GreedyLogits(dec.model).eval()
+    ids = dec.prompt(16, seed=1)
+    start = time.perf_counter()
+    if mode == "plain":
+        fn: Any = compile_with(module, "ours")
+    else:
+        from npugraph_ex.inference import cache_compile
+
+        fn = cache_compile(module.forward, dynamic=False, cache_dir=cache_dir)
+    with torch.no_grad():
+        out = fn(ids)
+    synchronize(dev)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    with torch.no_grad():
+        again = fn(ids)
+    synchronize(dev)
+    second = time.perf_counter() - start
+    with torch.no_grad():
+        expected = module(ids)
+    return {"first_call_s": first, "second_call_s": second,
+            "equal_eager": bool(torch.equal(out, expected) and torch.equal(again, expected))}
+
+
+def _spawn(mode: str, cache_dir: Path, inductor_dir: Path, device: torch.device) -> dict[str, Any]:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(inductor_dir), PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "npugraph_ex.bench.compile_cache", "--child", mode,
+           "--cache-dir", str(cache_dir), "--device", str(device)]
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=CHILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return {"error": f"took over {CHILD_TIMEOUT_S} s"}
+    wall = time.perf_counter() - start
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith("{"):
+            result: dict[str, Any] = json.loads(line)
+            result["process_s"] = wall
+            return result
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    return {"error": f"exit {proc.returncode}: {' | '.join(tail)[:400]}"}
+
+
+def run(ctx: BenchContext) -> Section:
+    sec = Section("d", "compile and warm-start time (fresh subprocesses)", bar_unit="s to first output")
+    runs = [("no cache: cold", "plain", "a"), ("no cache: warm (torch caches)", "plain", "a"),
+            ("cache_compile: cold", "cache", "b"), ("cache_compile: warm", "cache", "b")]
+    if ctx.quick:
+        runs = runs[2:]
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="npugraph-bench-") as tmp:
+        root = Path(tmp)
+        for label, mode, slot in ctx.steps(runs, desc="cold/warm processes"):
+            results[label] = _spawn(mode, root / "cache", root / f"inductor-{slot}", ctx.device)
+    for label, res in results.items():
+        if "error" in res:
+            sec.figures.append(Figure.skip(label, res["error"]))
+        else:
+            sec.figures.append(Figure(label, res["first_call_s"], "s",
+                                      note="" if res["equal_eager"] else "output differs from eager"))
+    sec.data["runs"] = results
+    sec.bars["first output"] = {k: v["first_call_s"] for k, v in results.items() if "error" not in v}
+    cold_label = "no cache: cold" if "no cache: cold" in results else "cache_compile: cold"
+    cold = results.get(cold_label, {}).get("first_call_s")
+    warm = results.get("cache_compile: warm", {}).get("first_call_s")
+    name = f"cache_compile warm / {cold_label}"
+    if cold and warm is not None:
+        ok = all(r.get("equal_eager") for r in results.values() if "error" not in r)
+        sec.figures.append(Figure.check(name, warm / cold, "x", f"<= {TARGET}x", warm / cold <= TARGET and ok))
+    else:
+        sec.figures.append(Figure.skip(name, "a run failed (see above)", f"<= {TARGET}x"))
+    return sec
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="one child process of bench section (d)")
+    p.add_argument("--child", choices=("plain", "cache"), required=True)
+    p.add_argument("--cache-dir", required=True)
+    p.add_argument("--device", default="cpu")
+    args = p.parse_args(argv)
+    try:
+        result = _child(args.child, args.cache_dir, args.device)
+    except Exception as exc:
+        print(fmt_exc(exc), file=sys.stderr)
+        return 1
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""(c) Decode-step latency of transformers Llama and GPT-2 per compiler.
+
+Tiny configs on the CPU, about 1B parameters on a GPU (bfloat16). One step = the model's
+forward over one token with a StaticCache plus the greedy argmax, at a fixed position, so every
+sample does the same work. Targets (issue 7): CPU ours <= 0.5x eager and <= 0.75x aot_eager;
+GPU (batch 1) ours <= 0.4x eager and no slower than torch's "cudagraphs" backend."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from npugraph_ex.bench.backends import (
+    CUDA_ONLY,
+    OURS,
+    BenchTimeout,
+    compile_with,
+    ours_backend,
+    ours_missing_reason,
+    time_limit,
+)
+from npugraph_ex.bench.context import BenchContext, fmt_exc
+from npugraph_ex.bench.report import Figure, Section
+from npugraph_ex.bench.timing import inner_for, measure
+from npugraph_ex.models import build_decoder, has_transformers, synchronize
+
+PROMPT = 8
+
+
+def backends_for(device: torch.device) -> list[str]:
+    names = ["eager", "aot_eager", "inductor"]
+    if device.type == "cuda":
+        names += list(CUDA_ONLY)
+    return [*names, OURS]
+
+
+def run(ctx: BenchContext, families: tuple[str, ...] = ("llama", "gpt2")) -> Section:
+    sec = Section("c", "decode-step latency per compiler", bar_unit="ms per step")
+    size = "tiny" if ctx.on_cpu else "1b"
+    if not has_transformers():
+        families = ("builtin",)
+        sec.figures.append(Figure("transformers", None, "", status="INFO",
+                                  note="not installed: the built-in tiny transformer instead"))
+    if ctx.quick:
+        families = families[:1]
+    for family in families:
+        _one_model(ctx, sec, family, size)
+    return sec
+
+
+def _one_model(ctx: BenchContext, sec: Section, family: str, size: str) -> None:
+    dec = build_decoder(family, size, ctx.device, max_len=64 if ctx.on_cpu else 256)
+    label = f"{family}-{size}"
+    token = dec.prefill(dec.prompt(PROMPT))
+    position = dec.position(PROMPT)
+    with torch.no_grad():
+        expected = dec.step(token, position)
+    results: dict[str, dict[str, object]] = {}
+    bars: dict[str, float] = {}
+    names = backends_for(ctx.device)
+    if ctx.quick:
+        names = [n for n in names if n != "inductor"]
+    for name in ctx.steps(names, desc=f"decode {label}"):
+        if name == OURS and ours_backend() is None:
+            results[name] = {"skipped": ours_missing_reason()}
+            continue
+        torch.compiler.reset()
+        budget = ctx.inductor_budget_s if name in ("inductor", "reduce-overhead") else 0.0
+        try:
+            start = time.perf_counter()
+            with time_limit(budget), torch.no_grad():
+                step = compile_with(dec.step, name)
+                for _ in range(3):  # compile, warm up, capture
+                    got = step(token, position)
+                synchronize(ctx.device)
+            compile_s = time.perf_counter() - start
+        except BenchTimeout as exc:
+            results[name] = {"skipped": f"compile would take over {budget:.0f} s ({exc})"}
+            torch.compiler.reset()
+            continue
+        except Exception as exc:  # a compiler that fails is reported, not fatal
+            results[name] = {"skipped": f"fails to compile: {fmt_exc(exc)}"}
+            torch.compiler.reset()
+            continue
+        same = bool(torch.equal(got, expected))
+
+        def call(step=step) -> None:  # type: ignore[no-untyped-def]
+            with torch.no_grad():
+                step(token, position)
+
+        timing = measure(call, device=ctx.device, runs=ctx.runs,
+                         inner=inner_for(call, ctx.device, 5e-3))
+        results[name] = {"ms": timing.median * 1e3, "p10_ms": timing.p10 * 1e3,
+                         "p90_ms": timing.p90 * 1e3, "runs": timing.runs, "inner": timing.inner,
+                         "compile_s": compile_s, "same_token_as_eager": same}
+        bars[name if name != OURS else "ours (npugraph_ex)"] = timing.median * 1e3
+    torch.compiler.reset()
+    sec.data[label] = {"params": dec.params, "dtype": str(dec.dtype), "backends": results}
+    sec.bars[f"{label} decode step"] = bars
+    for name, res in results.items():
+        if "skipped" in res:
+            sec.figures.append(Figure.skip(f"{label} {name}", str(res["skipped"])))
+        else:
+            note = "" if res["same_token_as_eager"] else "token differs from eager"
+            sec.figures.append(Figure(f"{label} {name} step", float(res["ms"]), "ms",  # type: ignore[arg-type]
+                                      note=note))
+    _targets(ctx, sec, label, results)
+
+
+def _ms(results: dict[str, dict[str, object]], name: str) -> float | None:
+    res = results.get(name, {})
+    value = res.get("ms")
+    return float(value) if isinstance(value, float) else None
+
+
+def _targets(ctx: BenchContext, sec: Section, label: str, results: dict[str, dict[str, object]]) -> None:
+    ours = _ms(results, OURS)
+    checks = ([("eager", 0.5), ("aot_eager", 0.75)] if ctx.on_cpu
+              else [("eager", 0.4), ("cudagraphs", 1.0)])
+    for base, limit in checks:
+        name = f"{label} ours / {base}"
+        other = _ms(results, base)
+        if ours is None or other is None:
+            missing = OURS if ours is None else base
+            sec.figures.append(Figure.skip(name, f"{missing} not measured", target=f"<= {limit}x"))
+            continue
+        ratio = ours / other
+        sec.figures.append(Figure.check(name, ratio, "x", f"<= {limit}x", ratio <= limit))
+    same = results.get(OURS, {}).get("same_token_as_eager")
+    if same is not None:
+        sec.figures.append(Figure.check(f"{label} ours token equals eager", float(bool(same)), "",
+                                        "== eager", bool(same)))

@@ -1,0 +1,78 @@
+"""(e) Memory held by captures of 8 batch sizes, each in a private pool and all in one shared
+pool, against the largest single capture alone. Target (issue 7): shared <= 1.3x the largest
+single capture. Bytes are what ``npugraph_runtime.pool_bytes`` reports for the pools."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from npugraph_ex.bench.context import BenchContext, fmt_exc
+from npugraph_ex.bench.replay import TransformerStack
+from npugraph_ex.bench.report import Figure, Section
+from npugraph_ex.bench.runtime_api import HAND_CAPTURE, MANAGER, runtime
+
+BATCHES = (128, 64, 32, 16, 8, 4, 2, 1)
+TARGET = 1.3
+
+
+def _held(ngr: Any, callable_: Any) -> int:
+    """Bytes held by the distinct pools of a GraphedCallable's captures."""
+    pools: dict[Any, Any] = {}
+    for g in callable_.graphs.values():
+        pool = g.pool()
+        pools.setdefault((str(pool.device), repr(pool.ident)), pool)
+    return sum(int(ngr.pool_bytes(p)) for p in pools.values())
+
+
+def _capture_all(ngr: Any, model: Any, batches: tuple[int, ...], pool: str,
+                 device: torch.device) -> tuple[int, int, bool]:
+    """(bytes held, captures, every replay equal to eager) for `batches` captured into `pool`."""
+    x0 = torch.randn(batches[0], 16, 64, device=device)
+    fn = ngr.make_graphed_callable(model, (x0,), pool=pool, device=device)
+    ok = True
+    with torch.no_grad():
+        for b in batches:
+            x = torch.randn(b, 16, 64, device=device)
+            for _ in range(2):  # capture, then replay
+                got = fn(x)
+            ok = ok and bool(torch.allclose(got, model(x), rtol=1e-4, atol=1e-5))
+    return _held(ngr, fn), int(fn.num_captures), ok
+
+
+def run(ctx: BenchContext) -> Section:
+    sec = Section("e", "memory held by 8 batch-size captures", bar_unit="MiB held")
+    try:
+        ngr = runtime(*HAND_CAPTURE, *MANAGER)
+    except RuntimeError as exc:
+        sec.figures.append(Figure.skip("shared pool / largest single capture", fmt_exc(exc),
+                                       f"<= {TARGET}x"))
+        return sec
+    torch.manual_seed(0)
+    with torch.device(ctx.device):
+        model = TransformerStack(2 if ctx.quick else 4).eval().requires_grad_(False)
+    results: dict[str, dict[str, Any]] = {}
+    runs = [("largest alone", BATCHES[:1], "private"), ("private pools", BATCHES, "private"),
+            ("shared pool", BATCHES, "shared")]
+    for label, batches, pool in ctx.steps(runs, desc="pools"):
+        try:
+            held, captures, ok = _capture_all(ngr, model, batches, pool, ctx.device)
+        except Exception as exc:
+            sec.figures.append(Figure.skip(label, f"capture failed: {fmt_exc(exc)}"))
+            continue
+        results[label] = {"bytes": held, "captures": captures, "replays_equal_eager": ok}
+        sec.figures.append(Figure(f"{label}: {captures} capture(s)", held / 2**20, "MiB",
+                                  note="" if ok else "a replay differs from eager"))
+    sec.data.update(batches=list(BATCHES), results=results)
+    sec.bars["pool bytes"] = {k: v["bytes"] / 2**20 for k, v in results.items()}
+    if "shared pool" in results and "largest alone" in results and results["largest alone"]["bytes"]:
+        ratio = results["shared pool"]["bytes"] / results["largest alone"]["bytes"]
+        ok = all(r["replays_equal_eager"] for r in results.values())
+        sec.figures.append(Figure.check("shared pool / largest single capture", ratio, "x",
+                                        f"<= {TARGET}x", ratio <= TARGET and ok))
+        if results.get("private pools", {}).get("bytes"):
+            sec.figures.append(Figure("shared pool / private pools",
+                                      results["shared pool"]["bytes"]
+                                      / results["private pools"]["bytes"], "x"))
+    return sec

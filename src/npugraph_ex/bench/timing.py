@@ -1,0 +1,70 @@
+"""How every benchmark times: warm up, then the median of at least `runs` samples, each sample
+the mean of `inner` calls (so a sample of a microsecond-scale call is above timer noise).
+Device work is synchronised before each clock read."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from npugraph_ex.models import synchronize
+
+MIN_RUNS = 20
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call: median, 10th and 90th percentile over `runs` samples."""
+
+    median: float
+    p10: float
+    p90: float
+    runs: int
+    inner: int
+
+    def as_dict(self) -> dict[str, float | int]:
+        return asdict(self)
+
+
+def measure(
+    fn: Callable[[], object],
+    *,
+    device: torch.device,
+    runs: int = MIN_RUNS,
+    warmup: int = 5,
+    inner: int = 1,
+) -> Timing:
+    runs = max(runs, MIN_RUNS)
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    samples: list[float] = []
+    clock = time.perf_counter
+    for _ in range(runs):
+        start = clock()
+        for _ in range(inner):
+            fn()
+        synchronize(device)
+        samples.append((clock() - start) / inner)
+    samples.sort()
+    return Timing(
+        median=statistics.median(samples),
+        p10=samples[int(0.1 * (len(samples) - 1))],
+        p90=samples[int(0.9 * (len(samples) - 1))],
+        runs=runs,
+        inner=inner,
+    )
+
+
+def inner_for(fn: Callable[[], object], device: torch.device, target_s: float = 2e-3) -> int:
+    """Calls per sample so that one sample lasts about `target_s`."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    once = max(time.perf_counter() - start, 1e-7)
+    return max(1, min(1000, int(target_s / once)))

@@ -1,0 +1,212 @@
+"""`npugraph-ex demo`: greedy decoding with a small Llama, eager against npugraph_ex.
+
+Builds a Llama from a transformers config (random weights, nothing downloaded; without
+transformers, a built-in tiny transformer, said so), decodes N tokens eagerly, with aot_eager and
+with backend="npugraph_ex" (StaticCache, fullgraph=True), and shows: tokens identical (exit 1 if
+not), number of captures, per-token latency of each, the speedup, and the memory the graphs
+hold. Writes demo.json and demo.png into --out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from npugraph_ex.bench.backends import (
+    OURS,
+    captures,
+    compile_with,
+    counter_snapshot,
+    ours_backend,
+    ours_missing_reason,
+)
+from npugraph_ex.bench.context import BenchContext, fmt_exc
+from npugraph_ex.bench.report import environment
+from npugraph_ex.models import best_device, build_decoder, synchronize
+
+PROMPT = 8
+SKIP_STEPS = 2  # the first steps compile, warm up and capture: not per-token latency
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="npugraph-ex demo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=32, help="tokens to generate (default 32)")
+    p.add_argument("--out", default="demo-results", help="folder for demo.json and demo.png")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: the best present)")
+    p.add_argument("--size", choices=("tiny", "1b"), default="tiny",
+                   help="model size: tiny (default) or about 1B parameters (for a GPU)")
+    p.add_argument("--quick", action="store_true",
+                   help="a smoke test: 8 tokens, eager and npugraph_ex only")
+    p.add_argument("--threads", type=int, default=None,
+                   help="intra-op CPU threads (default on the CPU: 1, for stable timings)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return p
+
+
+class _Pool:
+    """The memory our graphs hold: a pool of ours given to the backend (use_graph_pool), read
+    with npugraph_runtime.pool_bytes; else, on CUDA, the allocator's growth."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.handle: Any = None
+        self.how = "not measured"
+        self.start = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        try:
+            import npugraph_runtime as ngr
+
+            self.handle = ngr.graph_pool_handle(device)
+            self.how = "npugraph_runtime.pool_bytes"
+        except (ImportError, AttributeError, RuntimeError):
+            if device.type == "cuda":
+                self.how = "CUDA allocator growth"
+
+    def options(self) -> dict[str, Any]:
+        return {"use_graph_pool": self.handle} if self.handle is not None else {}
+
+    def held(self) -> int | None:
+        if self.handle is not None:
+            import npugraph_runtime as ngr
+
+            return int(ngr.pool_bytes(self.handle))
+        if self.device.type == "cuda":
+            return int(torch.cuda.memory_allocated(self.device) - self.start)
+        return None
+
+
+def decode(ctx: BenchContext, dec: Any, name: str, prompt: torch.Tensor, n: int,
+           options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Greedy-decode n tokens with `name`; per-step seconds and the tokens."""
+    torch.compiler.reset()
+    start = time.perf_counter()
+    step = compile_with(dec.step, name, options=options)
+    with torch.no_grad():
+        token = dec.prefill(prompt)
+        tokens = [int(t) for t in token.flatten().tolist()]
+        times: list[float] = []
+        for i in ctx.steps(range(n - 1), desc=f"{name:>9}", total=n - 1):
+            t0 = time.perf_counter()
+            token = step(token, dec.position(PROMPT + i))
+            synchronize(dec.device)
+            times.append(time.perf_counter() - t0)
+            tokens.extend(int(t) for t in token.flatten().tolist())
+    steady = times[SKIP_STEPS:] or times
+    return {"tokens": tokens, "step_s": times, "per_token_ms": statistics.median(steady) * 1e3,
+            "first_steps_s": sum(times[:SKIP_STEPS]), "total_s": time.perf_counter() - start}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    n = 8 if args.quick else args.tokens
+    if n < SKIP_STEPS + 2:
+        print(f"--tokens {n}: give at least {SKIP_STEPS + 2}", file=sys.stderr)
+        return 2
+    device = torch.device(args.device) if args.device else best_device()
+    threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else 0)
+    if threads > 0:
+        torch.set_num_threads(threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    ctx = BenchContext(device=device, out=out, quick=args.quick, progress=not args.no_progress)
+    if ours_backend() is None:
+        print(f"npugraph-ex demo: {ours_missing_reason()}", file=sys.stderr)
+        return 2
+
+    dec = build_decoder("llama", args.size, device, max_len=PROMPT + n + 8)
+    what = f"{dec.family} ({args.size}, {dec.params / 1e6:.2f}M parameters, {dec.dtype})"
+    print(f"npugraph-ex demo on {device}: torch {torch.__version__}, {what}, "
+          f"greedy decoding of {n} tokens after a {PROMPT}-token prompt")
+    if dec.note:
+        print(f"note: {dec.note}")
+    prompt = dec.prompt(PROMPT)
+    pool = _Pool(device)
+    runs: dict[str, dict[str, Any]] = {}
+    names = ("eager", OURS) if args.quick else ("eager", "aot_eager", OURS)
+    for name in names:
+        before = counter_snapshot()
+        try:
+            runs[name] = decode(ctx, dec, name, prompt, n, pool.options() if name == OURS else None)
+        except Exception as exc:
+            if name == OURS:
+                print(f"npugraph_ex failed: {fmt_exc(exc)}", file=sys.stderr)
+                return 1
+            print(f"{name} skipped: {fmt_exc(exc)}")
+            continue
+        if name == OURS:
+            runs[name]["captures"] = captures(before)
+            runs[name]["graph_bytes"] = pool.held()
+    torch.compiler.reset()
+
+    eager, ours = runs["eager"], runs[OURS]
+    same = eager["tokens"] == ours["tokens"]
+    rows = [(name, r["per_token_ms"], eager["per_token_ms"] / r["per_token_ms"])
+            for name, r in runs.items()]
+    print(f"\ntokens identical to eager: {'yes' if same else 'NO'}")
+    print(f"  eager: {eager['tokens']}")
+    if not same:
+        print(f"  ours:  {ours['tokens']}")
+    print(f"captures: {ours['captures']}")
+    memory = ours["graph_bytes"]
+    print("memory held by the graphs: "
+          + (f"{memory / 2**20:.2f} MiB ({pool.how})" if memory is not None else "not measured"))
+    print("\nper-token latency (median of steps after the first two):")
+    for name, ms, speedup in rows:
+        label = "npugraph_ex" if name == OURS else name
+        print(f"  {label:<12} {ms:9.3f} ms   {speedup:5.2f}x eager")
+    doc = {
+        "environment": environment(device),
+        "model": {"family": dec.family, "size": args.size, "params": dec.params,
+                  "dtype": str(dec.dtype), "note": dec.note},
+        "prompt_tokens": PROMPT, "tokens": n, "tokens_identical": same,
+        "captures": ours["captures"], "graph_bytes": memory, "graph_bytes_from": pool.how,
+        "runs": {("npugraph_ex" if k == OURS else k): v for k, v in runs.items()},
+        "speedup_vs_eager": {("npugraph_ex" if k == OURS else k): s for k, _, s in rows},
+    }
+    (out / "demo.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    drew = _plot(out / "demo.png", runs, f"{what} on {device}")
+    print(f"\nwrote {out / 'demo.json'}" + (f" and {out / 'demo.png'}" if drew else ""))
+    return 0 if same else 1
+
+
+def _plot(path: Path, runs: dict[str, dict[str, Any]], title: str) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, r in runs.items():
+        label = "npugraph_ex" if name == OURS else name
+        left.plot(range(1, len(r["step_s"]) + 1), [s * 1e3 for s in r["step_s"]], label=label,
+                  marker=".")
+    left.set_yscale("log")
+    left.set_xlabel("decode step")
+    left.set_ylabel("ms (log)")
+    left.set_title("per-step latency (first steps compile and capture)", fontsize=9)
+    left.legend(fontsize=8)
+    names = ["npugraph_ex" if k == OURS else k for k in runs]
+    values = [r["per_token_ms"] for r in runs.values()]
+    right.bar(names, values, color=["tab:orange" if k == "npugraph_ex" else "tab:blue" for k in names])
+    for i, v in enumerate(values):
+        right.text(i, v, f"{v:.3g} ms", ha="center", va="bottom", fontsize=8)
+    right.set_ylabel("ms per token (median)")
+    right.set_title("per-token latency", fontsize=9)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""Small decoder models for the demo and the benchmarks, built from configs (nothing downloaded).
+
+`build_decoder(family, size, device)` returns a `Decoder`: a model with a static KV cache, an
+eager prefill and a one-token greedy decode step (`decoder.step`, the function users compile).
+Families: "llama" and "gpt2" from `transformers` (random weights, seeded), and "builtin", a tiny
+transformer of our own with a static KV cache updated by ``index_copy_``, used when transformers
+is not installed. Sizes: "tiny" (CPU, seconds) and "1b" (about a billion parameters, for a GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+FAMILIES = ("llama", "gpt2", "builtin")
+SIZES = ("tiny", "1b")
+
+LLAMA_CONFIGS: dict[str, dict[str, Any]] = {
+    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+    # TinyLlama-1.1B's shape.
+    "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+               num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048),
+}
+GPT2_CONFIGS: dict[str, dict[str, Any]] = {
+    "tiny": dict(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256),
+    # Between GPT-2 large and XL: about 1.0B parameters.
+    "1b": dict(vocab_size=50257, n_embd=1536, n_layer=32, n_head=16, n_positions=1024),
+}
+BUILTIN_CONFIGS: dict[str, dict[str, int]] = {
+    "tiny": dict(vocab_size=512, hidden=64, layers=2, heads=4),
+    "1b": dict(vocab_size=32000, hidden=2048, layers=20, heads=16),
+}
+
+
+def has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def best_device() -> torch.device:
+    """CUDA if present, then an Ascend NPU (torch_npu imported only if installed), else the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    try:
+        import torch_npu  # noqa: F401
+
+        if torch.npu.is_available():  # type: ignore[attr-defined]
+            return torch.device("npu")
+    except ImportError:
+        pass
+    return torch.device("cpu")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":
+        torch.npu.synchronize(device)  # type: ignore[attr-defined]
+
+
+@dataclass
+class Decoder:
+    """A model with its static KV cache. Call `prefill` (eager) first, then `step` per token.
+
+    `step(token, cache_position)` takes the last token ``(batch, 1)`` and its position ``(1,)``
+    and returns the greedy next token ``(batch, 1)``; the cache is updated in place, so the
+    tensors of the cache keep their addresses across steps (what capture needs)."""
+
+    family: str
+    size: str
+    model: nn.Module
+    device: torch.device
+    dtype: torch.dtype
+    max_len: int
+    batch: int
+    cache: Any
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    note: str = ""
+    params: int = field(default=0)
+
+    def reset(self) -> None:
+        """Zero the cache in place (addresses kept)."""
+        if hasattr(self.cache, "reset"):
+            self.cache.reset()
+
+    def prompt(self, length: int = 8, seed: int = 0) -> torch.Tensor:
+        vocab = int(getattr(self.model, "vocab_size", 0) or _vocab_of(self.model))
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, vocab, (self.batch, length), generator=gen)
+        return ids.to(self.device)
+
+    @torch.no_grad()
+    def prefill(self, prompt: torch.Tensor) -> torch.Tensor:
+        """Run the prompt eagerly into the cache; returns the first generated token."""
+        self.reset()
+        positions = torch.arange(prompt.shape[1], device=self.device)
+        logits = _forward(self.family, self.model, prompt, positions, self.cache)
+        return logits[:, -1, :].argmax(dim=-1, keepdim=True)
+
+    def position(self, i: int) -> torch.Tensor:
+        return torch.tensor([i], device=self.device, dtype=torch.long)
+
+
+def _vocab_of(model: nn.Module) -> int:
+    emb = model.get_input_embeddings()  # type: ignore[operator]
+    return int(emb.num_embeddings)
+
+
+def _forward(
+    family: str, model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, cache: Any
+) -> torch.Tensor:
+    if family == "builtin":
+        out: torch.Tensor = model(ids, positions)
+        return out
+    kwargs: dict[str, Any] = {
+        "input_ids": ids,
+        "position_ids": positions.unsqueeze(0).expand(ids.shape[0], -1),
+        "past_key_values": cache,
+        "use_cache": True,
+    }
+    if _takes_cache_position(type(model)):
+        kwargs["cache_position"] = positions
+    result = model(**kwargs)
+    logits = result.logits if hasattr(result, "logits") else result[0]
+    assert isinstance(logits, torch.Tensor)
+    return logits
+
+
+_TAKES_CACHE_POSITION: dict[type, bool] = {}
+
+
+def _takes_cache_position(cls: type) -> bool:
+    """transformers 4.x and 5.x forwards take cache_position; a release without it gets none."""
+    if cls not in _TAKES_CACHE_POSITION:
+        forward = getattr(cls, "forward", None)
+        params = inspect.signature(forward).parameters if forward is not None else {}
+        _TAKES_CACHE_POSITION[cls] = "cache_position" in params
+    return _TAKES_CACHE_POSITION[cls]
+
+
+def _make_step(
+    family: str, model: nn.Module, cache: Any
+) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def decode_step(token: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
+        logits = _forward(family, model, token, cache_position, cache)
+        return logits[:, -1, :].argmax(dim=-1, keepdim=True)
+
+    decode_step.__name__ = f"{family}_decode_step"
+    return decode_step
+
+
+def static_cache(config: Any, batch: int, max_len: int, device: torch.device,
+                 dtype: torch.dtype) -> Any:
+    """A transformers StaticCache across API versions: before 4.56 it takes the batch size,
+    device and dtype and allocates at once; from 4.56 (and in 5.x) it takes the config and
+    max_cache_len and allocates lazily on the first update (the eager prefill)."""
+    from transformers import StaticCache
+
+    params = inspect.signature(StaticCache.__init__).parameters
+    kwargs: dict[str, Any] = {"config": config, "max_cache_len": max_len}
+    for name, value in (("max_batch_size", batch), ("batch_size", batch), ("device", device),
+                        ("dtype", dtype)):
+        if name in params:
+            kwargs[name] = value
+    return StaticCache(**kwargs)
+
+
+def _transformers_model(family: str, size: str, device: torch.device, dtype: torch.dtype) -> nn.Module:
+    import transformers
+
+    if family == "llama":
+        config: Any = transformers.LlamaConfig(**LLAMA_CONFIGS[size])  # type: ignore[no-untyped-call]
+        cls: Any = transformers.LlamaForCausalLM
+    else:
+        config = transformers.GPT2Config(**GPT2_CONFIGS[size])  # type: ignore[no-untyped-call]
+        cls = transformers.GPT2LMHeadModel
+    # sdpa is the default where available; set it so 4.x and 5.x build the same attention.
+    with contextlib.suppress(AttributeError, ValueError):
+        config._attn_implementation = "sdpa"
+    with torch.device(device):
+        model: nn.Module = cls(config)
+    return model.to(dtype=dtype)
+
+
+def build_decoder(
+    family: str = "llama",
+    size: str = "tiny",
+    device: torch.device | str | None = None,
+    *,
+    dtype: torch.dtype | None = None,
+    max_len: int = 128,
+    batch: int = 1,
+    seed: int = 0,
+) -> Decoder:
+    """Build a seeded model with random weights and a static cache of ``max_len`` positions.
+
+    family "llama"/"gpt2" need transformers; without it they fall back to "builtin" and say so
+    in ``Decoder.note``. dtype defaults to float32 on the CPU and bfloat16 elsewhere."""
+    if family not in FAMILIES:
+        raise ValueError(f"family={family!r} is not allowed: use one of {', '.join(FAMILIES)}")
+    if size not in SIZES:
+        raise ValueError(f"size={size!r} is not allowed: use one of {', '.join(SIZES)}")
+    dev = torch.device(device) if device is not None else best_device()
+    if dtype is None:
+        dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    note = ""
+    if family != "builtin" and not has_transformers():
+        note = f"transformers is not installed: using the built-in tiny transformer instead of {family}"
+        family = "builtin"
+    torch.manual_seed(seed)
+    if family == "builtin":
+        cfg = BUILTIN_CONFIGS[size]
+        with torch.device(dev):
+            model: nn.Module = TinyDecoder(max_len=max_len, batch=batch, **cfg)
+        model = model.to(dtype=dtype)
+        cache: Any = model
+    else:
+        model = _transformers_model(family, size, dev, dtype)
+        config: Any = model.config
+        cache = static_cache(config, batch, max_len, dev, dtype)
+    model.eval().requires_grad_(False)
+    params = sum(p.numel() for p in model.parameters())
+    return Decoder(family=family, size=size, model=model, device=dev, dtype=dtype, max_len=max_len,
+                   batch=batch, cache=cache, step=_make_step(family, model, cache), note=note,
+                   params=params)
+
+
+class _Block(nn.Module):
+    def __init__(self, hidden: int, heads: int, max_len: int, batch: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.head_dim = hidden // heads
+        self.norm1 = nn.RMSNorm(hidden)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.out = nn.Linear(hidden, hidden, bias=False)
+        self.norm2 = nn.RMSNorm(hidden)
+        self.up = nn.Linear(hidden, 4 * hidden, bias=False)
+        self.down = nn.Linear(4 * hidden, hidden, bias=False)
+        shape = (batch, heads, max_len, self.head_dim)
+        self.k_cache: torch.Tensor
+        self.v_cache: torch.Tensor
+        self.register_buffer("k_cache", torch.zeros(shape), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, self.head_dim).unbind(2)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        self.k_cache.index_copy_(2, positions, k)
+        self.v_cache.index_copy_(2, positions, v)
+        attn = nn.functional.scaled_dot_product_attention(q, self.k_cache, self.v_cache, attn_mask=mask)
+        x = x + self.out(attn.transpose(1, 2).reshape(b, s, h))
+        out: torch.Tensor = x + self.down(nn.functional.gelu(self.up(self.norm2(x))))
+        return out
+
+
+class TinyDecoder(nn.Module):
+    """A small pre-norm decoder with a static KV cache in its buffers (no transformers needed).
+
+    ``forward(ids, positions)`` writes the keys and values of ``positions`` into the cache with
+    ``index_copy_`` and attends over every cached position up to each query's own."""
+
+    def __init__(self, vocab_size: int, hidden: int, layers: int, heads: int, max_len: int,
+                 batch: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self.embed = nn.Embedding(vocab_size, hidden)
+        self.pos = nn.Embedding(max_len, hidden)
+        self.blocks = nn.ModuleList(_Block(hidden, heads, max_len, batch) for _ in range(layers))
+        self.norm = nn.RMSNorm(hidden)
+        self.head = nn.Linear(hidden, vocab_size, bias=False)
+        self.slots: torch.Tensor
+        self.register_buffer("slots", torch.arange(max_len), persistent=False)
+        nn.init.normal_(self.embed.weight, std=1.0 / math.sqrt(hidden))
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.embed
+
+    def reset(self) -> None:
+        for block in self.blocks:
+            assert isinstance(block, _Block)
+            block.k_cache.zero_()
+            block.v_cache.zero_()
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids) + self.pos(positions)
+        mask = self.slots[None, :] <= positions[:, None]
+        for block in self.blocks:
+            x = block(x, positions, mask)
+        out: torch.Tensor = self.head(self.norm(x))
+        return out
