@@ -107,7 +107,7 @@ def output_origins(gm: torch.fx.GraphModule) -> list[tuple[str, int | None]] | N
 # torch._C._is_alias_of: checked on 2.13.0 (works on fake tensors); structural fallback for
 # outputs that alias inputs when descriptors are missing.
 def is_alias_of(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return bool(torch._C._is_alias_of(a, b))
+    return bool(torch._C._is_alias_of(a, b))  # type: ignore[attr-defined]
 
 
 # --- Static inputs outside AOT (compile_fx on a hand-made graph) -------------------------------
@@ -239,7 +239,7 @@ if hasattr(_autograd_profiler, "_is_profiler_enabled"):
 else:  # pragma: no cover - older torch
 
     def profiler_enabled() -> bool:
-        return bool(torch.autograd._profiler_enabled())
+        return bool(torch.autograd._profiler_enabled())  # type: ignore[attr-defined]
 
 
 # torch._ops.OpOverload and its `_schema`: checked on 2.13.0 (since 1.12).
@@ -319,3 +319,17 @@ def bypass_cache(reason: str) -> Exception:
     from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
 
     return BypassAOTAutogradCache(reason)
+
+
+# --- dfx/data_dump.py: real host buffers while AOT's fake mode is active (DFX helper) ----------
+# torch._subclasses.fake_tensor.unset_fake_temporarily: the compiler runs under AOT's
+# FakeTensorMode, where torch.empty would make a fake buffer. Checked on torch 2.13.0 (present
+# since 2.1); fallback: no fake mode to leave.
+def real_tensors() -> Any:
+    try:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    except ImportError:  # pragma: no cover - older torch
+        import contextlib
+
+        return contextlib.nullcontext()
+    return unset_fake_temporarily()

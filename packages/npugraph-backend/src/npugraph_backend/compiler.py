@@ -7,7 +7,6 @@ is unpickled."""
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import logging
 import threading
@@ -24,6 +23,8 @@ from npugraph_runtime.graphs import as_pool_handle
 
 from npugraph_backend import _compat
 from npugraph_backend.config import NPU_ONLY_OPTIONS, CompilerConfig, rebuild_config
+from npugraph_backend.dfx import data_dump
+from npugraph_backend.dfx import debug as debug_dumps
 from npugraph_backend.logs import log
 from npugraph_backend.specs import build_specs
 
@@ -80,20 +81,9 @@ def warn_npu_only_options(config: CompilerConfig, device: torch.device) -> None:
         )
 
 
-def _dfx() -> Any:
-    """The DFX subpackage (debug dumps, data dump, profiler ranges), or None while it is absent."""
-    try:
-        return importlib.import_module("npugraph_backend.dfx.debug"), importlib.import_module(
-            "npugraph_backend.dfx.data_dump"
-        )
-    except ImportError:  # pragma: no cover - the DFX package lands separately
-        return None
-
-
 def begin_debug(dynamo_gm: torch.fx.GraphModule | None) -> Any:
     """The TORCH_COMPILE_DEBUG session of one graph, or None when debugging is off."""
-    dfx = _dfx()
-    return dfx[0].DebugSession.begin(dynamo_gm) if dfx is not None else None
+    return debug_dumps.DebugSession.begin(dynamo_gm)
 
 
 def run_passes(
@@ -166,11 +156,10 @@ class CompiledGraph:
         )
 
     def _build(self, debug: Any = None) -> None:
-        dfx = _dfx() if self.config.dump_tensor_data or debug is not None else None
-        if dfx is not None and _dump_original(self.config):
+        if _dump_original(self.config):
             # The un-optimised graph, run eagerly by the dumper: nothing is captured.
             self.runner = None
-            self._fn = dfx[1].original_runner(self.gm, self.config)
+            self._fn = data_dump.original_runner(self.gm, self.config)
             return
         if self.eager_reason is not None:
             self.runner = None
@@ -181,12 +170,12 @@ class CompiledGraph:
                 self.gm.forward, self.inputs, policy, device=self.device, output_spec=self.outputs
             )
             fn = self.runner
-            if debug is not None and dfx is not None:
-                summary = dfx[0].spec_summary(self.gm, self.inputs, policy, self.outputs)
+            if debug is not None:
+                summary = debug_dumps.spec_summary(self.gm, self.inputs, policy, self.outputs)
                 debug.output_code(self.gm, summary)
                 fn = debug.watch(self.runner, summary)
-        if dfx is not None:
-            fn = dfx[1].after_each_call(fn, self.gm)
+        if self.config.dump_tensor_data:
+            fn = data_dump.after_each_call(fn, self.gm)
         self._fn = fn
 
     def __call__(self, args: list[Any]) -> Any:
@@ -242,9 +231,7 @@ def compile_graph(
                              "data_dump_stage='original' runs the original graph eagerly", debug)
     run_passes(gm, example_inputs, config, debug.pass_observer if debug is not None else None)
     if config.dump_tensor_data:
-        dfx = _dfx()
-        if dfx is not None:
-            dfx[1].instrument(gm, config)
+        data_dump.instrument(gm, config)
     gm.recompile()
     eager_reason = None
     unsafe = gm.meta.get(UNSAFE_NODES_META) or []
