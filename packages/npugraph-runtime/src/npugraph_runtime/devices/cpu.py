@@ -143,9 +143,9 @@ class CpuGraph:
                 stacklevel=2,
             )
         assert self._pool is not None
-        self._claims = _place_intermediates(recorder, self._pool)
+        self._claims, dead = _place_intermediates(recorder, self._pool)
         self._tensors = recorder.tensors
-        self._replay, self._issued = generate(recorder.steps, recorder.tensors)
+        self._replay, self._issued = generate(recorder.steps, recorder.tensors, dead)
 
     # --- use -----------------------------------------------------------------------------------
     def replay(self) -> None:
@@ -184,7 +184,7 @@ class CpuGraph:
         return str(getattr(self._replay, "__source__", ""))
 
 
-def _place_intermediates(recorder: Recorder, pool: CpuPool) -> list[Block]:
+def _place_intermediates(recorder: Recorder, pool: CpuPool) -> tuple[list[Block], set[int]]:
     """Move the capture's dead intermediates into the pool and rebuild their tensors there.
 
     A produced storage is an intermediate when nothing but the recording holds it once the
@@ -221,7 +221,7 @@ def _place_intermediates(recorder: Recorder, pool: CpuPool) -> list[Block]:
             entry.obj = torch.empty(0, dtype=entry.dtype).set_(
                 storage, entry.offset, entry.size, entry.stride
             )
-    return [p.block for p in placements]
+    return [p.block for p in placements], set(dead)
 
 
 class CpuBackend:

@@ -10,9 +10,11 @@ raising or warning."""
 from __future__ import annotations
 
 import enum
+import time
 import warnings
 from collections.abc import Callable, Sequence
-from functools import cache
+from dataclasses import dataclass
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -160,30 +162,88 @@ def _quietly(fn: Callable[[], object]) -> bool:
     return not caught
 
 
-def choose_out_kernel(
-    func: Any, args: Sequence[Any], kwargs: dict[str, Any], outs: Sequence[torch.Tensor]
-) -> tuple[Kind, Callable[..., Any] | None, tuple[str, ...]]:
-    """For a functional op whose returns are fresh tensors ``outs`` (just computed from ``args``)."""
-    if not single_tensor_returns(func) or any(o.layout != torch.strided for o in outs):
-        return Kind.COPY, None, ()
+@dataclass(frozen=True)
+class Candidate:
+    """One verified way to re-issue a functional op, and what one call cost at capture time.
+    COPY candidates return the result; the replay copies the outputs it needs into place."""
+
+    kind: Kind
+    call: Callable[..., Any]
+    out_names: tuple[str, ...] = ()
+    cost_ns: int = 0
+
+
+def _cost_ns(fn: Callable[[], object]) -> int:
+    best = None
+    for _ in range(3):
+        start = time.perf_counter_ns()
+        fn()
+        elapsed = time.perf_counter_ns() - start
+        best = elapsed if best is None else min(best, elapsed)
+    return best or 0
+
+
+def _leaf(value: Any, path: tuple[int, ...]) -> Any:
+    for i in path:
+        value = value[i]
+    return value
+
+
+def out_candidates(
+    func: Any,
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    outs: Sequence[tuple[tuple[int, ...], torch.Tensor]],
+) -> tuple[list[Candidate], list[int]]:
+    """The verified candidates for a functional op whose fresh results ``outs`` (path into the
+    result, tensor) were just computed from ``args``, and the cost of copying each output."""
+    tensors = [t for _, t in outs]
+    op = _compat.op_entry(func)
+    found = [Candidate(Kind.COPY, op, (), _cost_ns(lambda: op(*args, **kwargs)))]
     binding = public_binding(func.namespace, func._opname)
-    if binding is not None:
-        scratch = [scratch_like(o) for o in outs]
-        out_arg: Any = scratch[0] if len(scratch) == 1 else tuple(scratch)
-        if _quietly(lambda: binding(*args, **kwargs, out=out_arg)) and all(
-            same_result(s, o) for s, o in zip(scratch, outs, strict=True)
-        ):
-            return Kind.OUT_PUBLIC, binding, ()
-    found = out_overload(func)
-    if found is not None:
-        entry, names = found
-        scratch = [scratch_like(o) for o in outs]
-        out_kwargs = dict(zip(names, scratch, strict=True))
-        if _quietly(lambda: entry(*args, **kwargs, **out_kwargs)) and all(
-            same_result(s, o) for s, o in zip(scratch, outs, strict=True)
-        ):
-            return Kind.OUT_OVERLOAD, entry, names
-    return Kind.COPY, None, ()
+    result: list[Any] = []
+
+    def call_binding() -> None:
+        result[:] = [binding(*args, **kwargs)]  # type: ignore[misc]
+
+    if binding is not None and _quietly(call_binding) and all(
+        isinstance(_leaf(result[0], p), torch.Tensor) and same_result(_leaf(result[0], p), t)
+        for p, t in outs
+    ):
+        found.append(Candidate(Kind.COPY, binding, (), _cost_ns(call_binding)))
+    result.clear()
+    if single_tensor_returns(func) and all(t.layout == torch.strided for t in tensors):
+        if binding is not None:
+            scratch = [scratch_like(t) for t in tensors]
+            out_arg: Any = scratch[0] if len(scratch) == 1 else tuple(scratch)
+
+            def call_out() -> None:
+                binding(*args, **kwargs, out=out_arg)
+
+            if _quietly(call_out) and all(
+                same_result(s, t) for s, t in zip(scratch, tensors, strict=True)
+            ):
+                found.append(Candidate(Kind.OUT_PUBLIC, binding, (), _cost_ns(call_out)))
+        overload = out_overload(func)
+        if overload is not None:
+            entry, names = overload
+            scratch = [scratch_like(t) for t in tensors]
+            out_kwargs = dict(zip(names, scratch, strict=True))
+
+            def call_overload() -> None:
+                entry(*args, **kwargs, **out_kwargs)
+
+            if _quietly(call_overload) and all(
+                same_result(s, t) for s, t in zip(scratch, tensors, strict=True)
+            ):
+                found.append(Candidate(Kind.OUT_OVERLOAD, entry, names, _cost_ns(call_overload)))
+    return found, [_cost_ns(partial(scratch_like(t).copy_, t)) for t in tensors]
+
+
+def cheapest(candidates: Sequence[Candidate], copy_costs: Sequence[int], needed: Sequence[bool]) -> Candidate:
+    """The candidate with the lowest cost when only the ``needed`` outputs are copied."""
+    copies = sum(c for c, n in zip(copy_costs, needed, strict=True) if n)
+    return min(candidates, key=lambda c: c.cost_ns + (copies if c.kind is Kind.COPY else 0))
 
 
 def inplace_method_name(func: Any, args: Sequence[Any]) -> str | None:

@@ -15,10 +15,11 @@ import torch
 
 from npugraph_runtime._compat import TorchDispatchMode
 from npugraph_runtime.devices.cpu_kernels import (
+    Candidate,
     Kind,
-    choose_out_kernel,
     inplace_method_name,
     is_allocation,
+    out_candidates,
     overload_name,
     verify_inplace_method,
     write_positions,
@@ -89,6 +90,8 @@ class Step:
     out_names: tuple[str, ...] = ()
     method: str = ""
     saved: tuple[tuple[TRef, torch.Tensor], ...] = ()  # FROZEN: values to copy back
+    candidates: list[Candidate] = field(default_factory=list)  # verified ways to re-issue it
+    copy_costs: list[int] = field(default_factory=list)  # per output in ``outs``
 
 
 def _leaves(value: Any, path: tuple[int, ...] = ()) -> Iterator[tuple[tuple[int, ...], Any]]:
@@ -346,11 +349,15 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
             step.kind, step.outs = Kind.COLLECTIVE, fresh
         elif not fresh or is_allocation(func):
             step.kind = Kind.SKIP  # views (every result aliases an input), non-tensor results
-        elif len(fresh) == len(outs):
-            tensors = [t for _, t in leaves]
-            step.kind, step.call, step.out_names = choose_out_kernel(func, args, kwargs, tensors)
         else:
+            fresh_ids = {id(r) for _, r in fresh}
+            fresh_leaves = [
+                leaf for leaf, (_, r) in zip(leaves, outs, strict=True) if id(r) in fresh_ids
+            ]
             step.kind, step.outs = Kind.COPY, fresh
+            step.candidates, step.copy_costs = out_candidates(func, args, kwargs, fresh_leaves)
+            if len(fresh) != len(outs):  # some results alias inputs: only compute-and-copy fits
+                step.candidates = [c for c in step.candidates if c.kind is Kind.COPY]
         self.steps.append(step)
 
         if step.kind is not Kind.SKIP and not self.hazard_reported:

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import keyword
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
 from npugraph_runtime import _compat
-from npugraph_runtime.devices.cpu_kernels import Kind
+from npugraph_runtime.devices.cpu_kernels import Kind, cheapest
 from npugraph_runtime.devices.cpu_recorder import Step, TensorEntry, TRef
 
 _WAIT = "_c10d_functional::wait_tensor"
@@ -95,28 +95,65 @@ def _path(path: tuple[int, ...]) -> str:
     return "".join(f"[{i}]" for i in path)
 
 
-def generate(steps: Sequence[Step], tensors: Sequence[TensorEntry]) -> tuple[Callable[[], None], int]:
-    """The replay function of ``steps`` and the number of ops it issues."""
+def _refs(value: Any) -> Iterator[TRef]:
+    if isinstance(value, TRef):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _refs(v)
+
+
+def _plan(
+    steps: Sequence[Step], tensors: Sequence[TensorEntry], dead: set[int]
+) -> list[tuple[Step, Kind, Any, tuple[str, ...], tuple[tuple[tuple[int, ...], TRef], ...]]]:
+    """Walk the steps backwards: drop pure ops none of whose results is used (their storages are
+    dead intermediates no later op reads), pick each remaining op's cheapest verified kernel given
+    which outputs are used, and copy only those. Returns (step, kind, call, out_names, outs)."""
+    read: set[int] = set()
+    planned = []
+    for step in reversed(steps):
+        kind = step.kind
+        if kind is Kind.SKIP:
+            continue
+        outs = step.outs
+        call, out_names = step.call, step.out_names
+        if step.candidates:
+            needed = [tensors[r.i].storage not in dead or tensors[r.i].storage in read for _, r in outs]
+            if not any(needed):
+                continue
+            best = cheapest(step.candidates, step.copy_costs, needed)
+            kind, call, out_names = best.kind, best.call, best.out_names
+            if kind is Kind.COPY:
+                outs = tuple(o for o, n in zip(outs, needed, strict=True) if n)
+        for value in (*step.args, *step.kwargs.values()):
+            read.update(tensors[r.i].storage for r in _refs(value))
+        planned.append((step, kind, call, out_names, outs))
+    planned.reverse()
+    return planned
+
+
+def generate(
+    steps: Sequence[Step], tensors: Sequence[TensorEntry], dead: set[int]
+) -> tuple[Callable[[], None], int]:
+    """The replay function of ``steps`` and the number of ops it issues. ``dead``: storages that
+    nothing outside the graph holds (their values only matter to later ops of the graph)."""
     names = _Names()
     res = _Resolver(tensors)
     lines: list[str] = []
     issued = 0
-    for step in steps:
-        kind = step.kind
-        if kind is Kind.SKIP:
-            continue
+    for step, kind, call_obj, out_names, step_outs in _plan(steps, tensors, dead):
         issued += 1
         args = [res.value(a) for a in step.args]
         kwargs = {k: res.value(v) for k, v in step.kwargs.items()}
         if kind is Kind.OUT_PUBLIC:
-            outs = [res.tensor(r) for _, r in step.outs]
+            outs = [res.tensor(r) for _, r in step_outs]
             out: object = outs[0] if len(outs) == 1 else tuple(outs)
             call = _call_args(names, args, {**kwargs, "out": out})
-            lines.append(f"{names.bind(step.call)}({call})")
+            lines.append(f"{names.bind(call_obj)}({call})")
         elif kind is Kind.OUT_OVERLOAD:
-            outs = [res.tensor(r) for _, r in step.outs]
-            call = _call_args(names, args, {**kwargs, **dict(zip(step.out_names, outs, strict=True))})
-            lines.append(f"{names.bind(step.call)}({call})")
+            outs = [res.tensor(r) for _, r in step_outs]
+            call = _call_args(names, args, {**kwargs, **dict(zip(out_names, outs, strict=True))})
+            lines.append(f"{names.bind(call_obj)}({call})")
         elif kind is Kind.INPLACE_METHOD:
             method = getattr(args[0], step.method)
             lines.append(f"{names.bind(method)}({_call_args(names, args[1:], kwargs)})")
@@ -124,20 +161,20 @@ def generate(steps: Sequence[Step], tensors: Sequence[TensorEntry]) -> tuple[Cal
             for ref, saved in step.saved:
                 lines.append(f"{names.bind(res.tensor(ref).copy_)}({names.bind(saved)})")
         else:  # COPY, AS_IS, COLLECTIVE: run the op, then copy its fresh results into place
-            entry = names.bind(_compat.op_entry(step.func))
+            entry = names.bind(call_obj if call_obj is not None else _compat.op_entry(step.func))
             call = f"{entry}({_call_args(names, args, kwargs)})"
-            if not step.outs:
+            if not step_outs:
                 lines.append(call)
                 continue
-            if len(step.outs) == 1 and step.outs[0][0] == () and kind is not Kind.COLLECTIVE:
-                copy = names.bind(res.tensor(step.outs[0][1]).copy_)
+            if len(step_outs) == 1 and step_outs[0][0] == () and kind is not Kind.COLLECTIVE:
+                copy = names.bind(res.tensor(step_outs[0][1]).copy_)
                 lines.append(f"{copy}({call})")
                 continue
             lines.append(f"r = {call}")
             if kind is Kind.COLLECTIVE:
                 wait = names.bind(_compat.op_entry(torch.ops._c10d_functional.wait_tensor.default))
-                lines.extend(f"{wait}(r{_path(p)})" for p, _ in step.outs)
-            for p, ref in step.outs:
+                lines.extend(f"{wait}(r{_path(p)})" for p, _ in step_outs)
+            for p, ref in step_outs:
                 lines.append(f"{names.bind(res.tensor(ref).copy_)}(r{_path(p)})")
 
     names.values["is_grad_enabled"] = torch.is_grad_enabled
