@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from npugraph_backend import _compat
 from npugraph_backend.config import OptionError
 from npugraph_backend.dfx.log import logger
 from npugraph_backend.dfx.ranges import DATA_DUMP, phase
@@ -148,7 +149,8 @@ def instrument(gm: torch.fx.GraphModule, config: Any) -> torch.fx.GraphModule:
             continue
         shape = _static_shape(node, val)
         pinned = val.device.type != "cpu"
-        buffer = torch.empty(shape, dtype=val.dtype, device="cpu", pin_memory=pinned)
+        with _compat.real_tensors():
+            buffer = torch.empty(shape, dtype=val.dtype, device="cpu", pin_memory=pinned)
         attr = f"{_BUFFER_PREFIX}{len(slots)}"
         gm.register_buffer(attr, buffer, persistent=False)
         anchor = input_anchor if node.op == "placeholder" else node

@@ -290,15 +290,16 @@ def _pool_info(graph: Any) -> dict[str, object]:
     return out
 
 
-def _runtime_dump(graph: Any) -> str | None:
-    """The NPU runtime's own JSON of the graph (torch_npu's ``NPUGraph.debug_dump``), written
-    next to ours; None when the graph object offers none."""
-    raw = getattr(graph, "raw", graph)
-    dump = getattr(raw, "debug_dump", None)
+def _runtime_dump(graph: Any) -> str:
+    """The NPU runtime's own JSON of the graph (aclgraph's ``debug_dump``), written into the run
+    directory; the reason when the graph cannot give one (it needs debug mode before capture)."""
+    dump = getattr(graph, "debug_dump", None)
     if not callable(dump):
-        return None
+        return f"unavailable: {type(graph).__name__} has no debug_dump"
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d%H%M%S%f")
-    path = os.path.join(debug_root(), f"npu_graph_{id(raw)}_pid_{os.getpid()}_ts_{stamp}.json")
-    dump(path)
+    path = os.path.join(debug_root(), f"npu_graph_{id(graph)}_pid_{os.getpid()}_ts_{stamp}.json")
+    try:
+        dump(path)
+    except Exception as exc:
+        return f"unavailable: {type(exc).__name__}: {exc}"
     return path
-
