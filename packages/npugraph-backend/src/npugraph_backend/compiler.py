@@ -23,7 +23,7 @@ from npugraph_runtime.graphs import as_pool_handle
 
 from npugraph_backend import _compat
 from npugraph_backend.config import NPU_ONLY_OPTIONS, CompilerConfig, rebuild_config
-from npugraph_backend.dfx import data_dump
+from npugraph_backend.dfx import data_dump, ranges
 from npugraph_backend.dfx import debug as debug_dumps
 from npugraph_backend.logs import log
 from npugraph_backend.specs import build_specs
@@ -86,6 +86,7 @@ def begin_debug(dynamo_gm: torch.fx.GraphModule | None) -> Any:
     return debug_dumps.DebugSession.begin(dynamo_gm)
 
 
+@ranges.ranged(ranges.PASSES)
 def run_passes(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[object],
@@ -207,6 +208,7 @@ class CompiledGraph:
         return f"CompiledGraph({self.name}, {self.device}, {how})"
 
 
+@ranges.ranged(ranges.COMPILE)
 def compile_graph(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[object],
