@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
+import types
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -132,3 +133,14 @@ def trace_aot(fn: Callable[..., Any], *args: Any) -> Traced:
     if "gm" not in seen or seen["n"] != len(seen["args"]):
         raise RuntimeError("AOTAutograd lifted extra inputs: the ATen graph cannot be run directly")
     return Traced(seen["gm"], seen["args"], outputs)
+
+
+def own_code(fn: Callable[..., Any], tag: str) -> Callable[..., Any]:
+    """A copy of function `fn` with a code object of its own. dynamo caches compiled entries per
+    code object and tries each entry's guards in turn, so compiling one function with several
+    backends side by side would make every call pay for the other backends' guards; with a code
+    object each, every compiled function has exactly one entry."""
+    code = fn.__code__.replace(co_name=f"{fn.__code__.co_name}_{tag}")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy

@@ -8,6 +8,7 @@ GPU (batch 1) ours <= 0.4x eager and no slower than torch's "cudagraphs" backend
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -18,11 +19,12 @@ from npugraph_ex.bench.backends import (
     compile_with,
     ours_backend,
     ours_missing_reason,
+    own_code,
     time_limit,
 )
 from npugraph_ex.bench.context import BenchContext, fmt_exc
 from npugraph_ex.bench.report import Figure, Section
-from npugraph_ex.bench.timing import inner_for, measure
+from npugraph_ex.bench.timing import measure_interleaved
 from npugraph_ex.models import build_decoder, has_transformers, synchronize
 
 PROMPT = 8
@@ -57,43 +59,43 @@ def _one_model(ctx: BenchContext, sec: Section, family: str, size: str) -> None:
     with torch.no_grad():
         expected = dec.step(token, position)
     results: dict[str, dict[str, object]] = {}
-    bars: dict[str, float] = {}
+    compiled: dict[str, Callable[[], object]] = {}
     names = backends_for(ctx.device)
     if ctx.quick:
         names = [n for n in names if n != "inductor"]
-    for name in ctx.steps(names, desc=f"decode {label}"):
+    torch.compiler.reset()
+    for name in ctx.steps(names, desc=f"compile {label}"):
         if name == OURS and ours_backend() is None:
             results[name] = {"skipped": ours_missing_reason()}
             continue
-        torch.compiler.reset()
         budget = ctx.inductor_budget_s if name in ("inductor", "reduce-overhead") else 0.0
         try:
             start = time.perf_counter()
             with time_limit(budget), torch.no_grad():
-                step = compile_with(dec.step, name)
+                step = compile_with(own_code(dec.step, name.replace("-", "_")), name)
                 for _ in range(3):  # compile, warm up, capture
                     got = step(token, position)
                 synchronize(ctx.device)
             compile_s = time.perf_counter() - start
         except BenchTimeout as exc:
             results[name] = {"skipped": f"compile would take over {budget:.0f} s ({exc})"}
-            torch.compiler.reset()
             continue
         except Exception as exc:  # a compiler that fails is reported, not fatal
             results[name] = {"skipped": f"fails to compile: {fmt_exc(exc)}"}
-            torch.compiler.reset()
             continue
-        same = bool(torch.equal(got, expected))
+        results[name] = {"compile_s": compile_s, "same_token_as_eager": bool(torch.equal(got, expected))}
 
-        def call(step=step) -> None:  # type: ignore[no-untyped-def]
+        def call(step: Callable[..., torch.Tensor] = step) -> None:
             with torch.no_grad():
                 step(token, position)
 
-        timing = measure(call, device=ctx.device, runs=ctx.runs,
-                         inner=inner_for(call, ctx.device, 5e-3))
-        results[name] = {"ms": timing.median * 1e3, "p10_ms": timing.p10 * 1e3,
-                         "p90_ms": timing.p90 * 1e3, "runs": timing.runs, "inner": timing.inner,
-                         "compile_s": compile_s, "same_token_as_eager": same}
+        compiled[name] = call
+    ctx.say(f"timing {label}: {', '.join(compiled)} interleaved, {ctx.runs} rounds")
+    timings = measure_interleaved(compiled, device=ctx.device, runs=ctx.runs, target_s=5e-3)
+    bars: dict[str, float] = {}
+    for name, timing in timings.items():
+        results[name].update(ms=timing.median * 1e3, p10_ms=timing.p10 * 1e3,
+                             p90_ms=timing.p90 * 1e3, runs=timing.runs, inner=timing.inner)
         bars[name if name != OURS else "ours (npugraph_ex)"] = timing.median * 1e3
     torch.compiler.reset()
     sec.data[label] = {"params": dec.params, "dtype": str(dec.dtype), "backends": results}

@@ -68,3 +68,42 @@ def inner_for(fn: Callable[[], object], device: torch.device, target_s: float = 
     synchronize(device)
     once = max(time.perf_counter() - start, 1e-7)
     return max(1, min(1000, int(target_s / once)))
+
+
+def measure_interleaved(
+    fns: dict[str, Callable[[], object]],
+    *,
+    device: torch.device,
+    runs: int = MIN_RUNS,
+    warmup: int = 5,
+    target_s: float = 2e-3,
+) -> dict[str, Timing]:
+    """Time several functions in rounds (one sample of each per round), so that a machine whose
+    load changes over the run slows all of them alike and their ratios stay fair."""
+    runs = max(runs, MIN_RUNS)
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    inner = {name: inner_for(fn, device, target_s) for name, fn in fns.items()}
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    clock = time.perf_counter
+    synchronize(device)
+    for _ in range(runs):
+        for name, fn in fns.items():
+            n = inner[name]
+            start = clock()
+            for _ in range(n):
+                fn()
+            synchronize(device)
+            samples[name].append((clock() - start) / n)
+    result = {}
+    for name, values in samples.items():
+        values.sort()
+        result[name] = Timing(
+            median=statistics.median(values),
+            p10=values[int(0.1 * (len(values) - 1))],
+            p90=values[int(0.9 * (len(values) - 1))],
+            runs=runs,
+            inner=inner[name],
+        )
+    return result
