@@ -122,6 +122,20 @@ def test_recorded_ops_counts_replayed_ops_not_views() -> None:
     assert g.recorded_ops() == 2  # add, relu; t() and the slice are free
 
 
+def test_op_whose_result_nobody_reads_is_not_replayed() -> None:
+    x = torch.randn(4)
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        t.exp()  # computed and thrown away
+        return t.sin()
+
+    g, y = capture(fn, x)
+    assert g.recorded_ops() == 1
+    x.copy_(torch.randn(4))
+    g.replay()
+    torch.testing.assert_close(y, x.sin(), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize(
     ("fn", "op_name"),
     [

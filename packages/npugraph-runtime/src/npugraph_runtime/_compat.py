@@ -70,3 +70,21 @@ def storage_from_weak_ref(ref: Any) -> torch.UntypedStorage | None:
         return None
     storage: torch.UntypedStorage = torch.UntypedStorage._new_with_weak_ptr(ref.cdata)  # type: ignore[attr-defined]
     return storage
+
+
+def op_schema(overload: Any) -> Any:
+    """Checked on torch 2.13.0 and 2.11: ``OpOverload._schema`` is the op's FunctionSchema
+    (arguments with ``alias_info.is_write``, returns, name, overload_name)."""
+    return overload._schema
+
+
+def op_base_name(overload: Any) -> str:
+    """Checked on torch 2.13.0 and 2.11: ``OpOverload._opname`` is the op name without namespace
+    and overload ("add" for ``aten.add.Tensor``)."""
+    return str(overload._opname)
+
+
+def wait_tensor_op() -> Callable[..., Any]:
+    """Checked on torch 2.13.0 and 2.11: ``torch.ops._c10d_functional.wait_tensor`` waits for an
+    asynchronous functional collective's result."""
+    return op_entry(torch.ops._c10d_functional.wait_tensor.default)

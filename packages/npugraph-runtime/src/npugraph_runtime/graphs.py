@@ -161,4 +161,5 @@ def _abandon(g: DeviceGraph) -> None:
         return
     with contextlib.suppress(Exception):  # the body's exception is the one the user needs
         g.capture_end()
-    g.reset()
+    with contextlib.suppress(Exception):
+        g.reset()

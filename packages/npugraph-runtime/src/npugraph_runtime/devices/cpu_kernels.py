@@ -1,11 +1,13 @@
-"""How each recorded op is re-issued at replay: the fastest callable that writes the op's result
-into the recorded output storages, chosen and verified once, at capture time.
+"""How each recorded op is re-issued at replay, decided once, at capture time.
 
-Candidates, fastest first: the public Python binding (``torch.add(..., out=)``, a bound in-place
-``Tensor`` method), the ``.out`` overload's operator handle, and finally the op itself followed
-by ``copy_`` into the recorded output (always correct). A candidate is kept only when it gives a
-bitwise-identical result (same dtype, shape and strides) on the capture's own inputs, without
-raising or warning."""
+For a functional op the candidates are: the public Python binding with ``out=``
+(``torch.add(a, b, out=c)``), the ``.out`` overload's operator handle, and computing the result
+(with the public binding or the op itself) then ``copy_`` into the recorded output. A candidate
+is kept only when, on the capture's own inputs, it gives a bitwise-identical result (NaN-aware;
+same dtype, shape and strides) without raising or warning; each kept one is timed, and the replay
+uses the cheapest given which outputs later ops actually read. The op itself followed by a copy
+is always available. In-place ops are re-issued as a bound ``Tensor`` method when that verifies,
+else as the op itself."""
 
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ _ALLOCATIONS = frozenset(
 
 
 def overload_name(func: Any) -> str:
-    schema = func._schema
+    schema = _compat.op_schema(func)
     return f"{schema.name}.{schema.overload_name}" if schema.overload_name else str(schema.name)
 
 
@@ -57,7 +59,7 @@ def write_positions(func: Any) -> tuple[list[int], list[str]]:
     """Positional indices and keyword names of the arguments the op writes (``Tensor(a!)``)."""
     positions: list[int] = []
     names: list[str] = []
-    for i, arg in enumerate(func._schema.arguments):
+    for i, arg in enumerate(_compat.op_schema(func).arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:
             if arg.kwarg_only:
                 names.append(arg.name)
@@ -66,12 +68,9 @@ def write_positions(func: Any) -> tuple[list[int], list[str]]:
     return positions, names
 
 
-def fresh_returns(func: Any) -> list[bool]:
-    return [r.alias_info is None for r in func._schema.returns]
-
-
 def single_tensor_returns(func: Any) -> bool:
-    return all(str(r.type) == "Tensor" for r in func._schema.returns) and len(func._schema.returns) > 0
+    returns = _compat.op_schema(func).returns
+    return len(returns) > 0 and all(str(r.type) == "Tensor" for r in returns)
 
 
 @cache
@@ -87,12 +86,12 @@ def public_binding(namespace: str, name: str) -> Callable[..., Any] | None:
 
 @cache
 def _out_overload_of(func: Any) -> tuple[Callable[..., Any], tuple[str, ...]] | None:
-    schema = func._schema
+    schema = _compat.op_schema(func)
     want = [(a.name, str(a.type)) for a in schema.arguments]
     packet = func.overloadpacket
     for name in packet.overloads():
         candidate = getattr(packet, name)
-        cs = candidate._schema
+        cs = _compat.op_schema(candidate)
         outs = [a for a in cs.arguments if a.alias_info is not None and a.alias_info.is_write]
         rest = [
             (a.name, str(a.type))
@@ -173,6 +172,9 @@ class Candidate:
     cost_ns: int = 0
 
 
+_SLOW_NS = 200_000  # one call this slow is timed once: capture of big models stays quick
+
+
 def _cost_ns(fn: Callable[[], object]) -> int:
     best = None
     for _ in range(3):
@@ -180,6 +182,8 @@ def _cost_ns(fn: Callable[[], object]) -> int:
         fn()
         elapsed = time.perf_counter_ns() - start
         best = elapsed if best is None else min(best, elapsed)
+        if best > _SLOW_NS:
+            break
     return best or 0
 
 
@@ -200,7 +204,7 @@ def out_candidates(
     tensors = [t for _, t in outs]
     op = _compat.op_entry(func)
     found = [Candidate(Kind.COPY, op, (), _cost_ns(lambda: op(*args, **kwargs)))]
-    binding = public_binding(func.namespace, func._opname)
+    binding = public_binding(func.namespace, _compat.op_base_name(func))
     result: list[Any] = []
 
     def call_binding() -> None:
@@ -249,12 +253,12 @@ def cheapest(candidates: Sequence[Candidate], copy_costs: Sequence[int], needed:
 def inplace_method_name(func: Any, args: Sequence[Any]) -> str | None:
     """The ``Tensor`` method for an op that only writes its first argument and returns it."""
     positions, names = write_positions(func)
-    returns = func._schema.returns
+    returns = _compat.op_schema(func).returns
     if positions != [0] or names or len(returns) != 1 or not args:
         return None
     if not isinstance(args[0], torch.Tensor) or args[0].layout != torch.strided:
         return None
-    name = func._opname
+    name = _compat.op_base_name(func)
     if func.namespace != "aten" or not name.endswith("_") or not hasattr(torch.Tensor, name):
         return None
     return str(name)

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from npugraph_runtime import _compat
 from npugraph_runtime._compat import TorchDispatchMode
 from npugraph_runtime.devices.cpu_kernels import (
     Candidate,
@@ -111,7 +112,7 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 def _argument(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
-    for i, arg in enumerate(func._schema.arguments):
+    for i, arg in enumerate(_compat.op_schema(func).arguments):
         if arg.name == name:
             if i < len(args) and not arg.kwarg_only:
                 return args[i]
@@ -122,7 +123,7 @@ def _argument(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: st
 def _draws_nothing(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Ops tagged as seeded that draw no random number with these arguments: attention and
     dropout with probability 0 (SDPA kernels carry the tag for their dropout) or not training."""
-    names = {a.name for a in func._schema.arguments}
+    names = {a.name for a in _compat.op_schema(func).arguments}
     for p_name in ("dropout_p", "p"):
         if p_name in names and _argument(func, args, kwargs, p_name) == 0:
             return True
@@ -256,7 +257,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
         reason = _UNSAFE_NAMES.get(name)
         if reason is not None:
             return reason
-        if str(func._schema.name) in _COPY_OPS or name in _COPY_OPS:
+        if str(_compat.op_schema(func).name) in _COPY_OPS or name in _COPY_OPS:
             devices = {t.device for t in _tensors((args, tuple(kwargs.values())))}
             target = kwargs.get("device")
             if target is not None:

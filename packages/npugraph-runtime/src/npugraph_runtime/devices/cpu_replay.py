@@ -15,8 +15,6 @@ from npugraph_runtime import _compat
 from npugraph_runtime.devices.cpu_kernels import Kind, cheapest
 from npugraph_runtime.devices.cpu_recorder import Step, TensorEntry, TRef
 
-_WAIT = "_c10d_functional::wait_tensor"
-
 
 class _Names:
     """Local names for the objects the generated function uses, one per object."""
@@ -113,7 +111,7 @@ def _plan(
     planned = []
     for step in reversed(steps):
         kind = step.kind
-        if kind is Kind.SKIP:
+        if kind is Kind.SKIP or (kind is Kind.FROZEN and not step.saved):
             continue
         outs = step.outs
         call, out_names = step.call, step.out_names
@@ -172,7 +170,7 @@ def generate(
                 continue
             lines.append(f"r = {call}")
             if kind is Kind.COLLECTIVE:
-                wait = names.bind(_compat.op_entry(torch.ops._c10d_functional.wait_tensor.default))
+                wait = names.bind(_compat.wait_tensor_op())
                 lines.extend(f"{wait}(r{_path(p)})" for p, _ in step_outs)
             for p, ref in step_outs:
                 lines.append(f"{names.bind(res.tensor(ref).copy_)}(r{_path(p)})")
