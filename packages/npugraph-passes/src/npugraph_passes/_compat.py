@@ -173,3 +173,51 @@ def fake_tensor_mode() -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     return FakeTensorMode()
+
+
+# The inference graph AOTAutograd hands a backend (what our passes see), for tests and
+# benchmarks: aot_function with keep_inference_input_mutations=True, no decompositions.
+# torch._functorch.aot_autograd.aot_function, checked on 2.13.0.
+def aot_inference_graph(fn: Callable[..., Any], example_inputs: Any) -> tuple[torch.fx.GraphModule, list[Any]]:
+    """Traces ``fn(*example_inputs)`` under no_grad and returns (forward graph, its example
+    inputs as AOT saw them). The inputs are not mutated."""
+    from torch._functorch.aot_autograd import aot_function
+
+    captured: list[tuple[torch.fx.GraphModule, list[Any]]] = []
+
+    def compiler(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        captured.append((gm, list(inputs)))
+        return gm
+
+    compiler_any: Any = compiler
+    compiled = aot_function(fn, fw_compiler=compiler_any, keep_inference_input_mutations=True)
+    clones = [a.clone() if isinstance(a, torch.Tensor) else a for a in example_inputs]
+    with torch.no_grad():
+        compiled(*clones)
+    return captured[0]
+
+
+# The graph our backend receives through torch.compile: dynamo, then aot_module_simplified with
+# keep_inference_input_mutations=True (node.meta["stack_trace"] holds the user's lines).
+# torch._functorch.aot_autograd.aot_module_simplified and torch._dynamo.reset, checked on 2.13.0.
+def compiled_inference_graphs(fn: Callable[..., Any], example_inputs: Any) -> list[tuple[torch.fx.GraphModule, list[Any]]]:
+    """Every AOT forward graph torch.compile makes of ``fn(*example_inputs)`` (run once, under
+    no_grad, on clones of the inputs)."""
+    import torch._dynamo
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    captured: list[tuple[torch.fx.GraphModule, list[Any]]] = []
+
+    def fw(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        captured.append((gm, list(inputs)))
+        return gm
+
+    def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        fw_any: Any = fw
+        return aot_module_simplified(gm, inputs, fw_compiler=fw_any, keep_inference_input_mutations=True)
+
+    torch._dynamo.reset()
+    clones = [a.clone() if isinstance(a, torch.Tensor) else a for a in example_inputs]
+    with torch.no_grad():
+        torch.compile(fn, backend=backend, fullgraph=True)(*clones)
+    return captured

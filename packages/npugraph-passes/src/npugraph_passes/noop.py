@@ -29,7 +29,8 @@ aten = torch.ops.aten
 NoopRule = tuple[Callable[..., bool], Any]
 
 
-def _same_meta(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+def same_meta(a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    """Same size, stride, dtype, device, layout and conj/neg bits (from ``meta["val"]``)."""
     va, vb = a.meta.get("val"), b.meta.get("val")
     if not (isinstance(va, torch.Tensor) and isinstance(vb, torch.Tensor)):
         return False
@@ -142,7 +143,7 @@ def remove_noop_ops(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], con
         elif node in outputs and (src in placeholders or src in outputs):
             continue
         ok, args, kwargs = _compat.fake_args_kwargs(node)
-        if not ok or not _same_meta(node, src):
+        if not ok or not same_meta(node, src):
             continue
         try:
             is_noop = cond(*args, **kwargs)

@@ -28,6 +28,7 @@ import torch.fx
 
 from npugraph_passes import _compat
 from npugraph_passes.aliasing import node_storage, written_args
+from npugraph_passes.noop import same_meta
 from npugraph_passes.out_variants import out_overload
 from npugraph_passes.stream_safety import StreamMap
 
@@ -132,6 +133,29 @@ class _Analysis:
             self.group[key].add(node)
 
 
+def _refresh_views(root: torch.fx.Node, an: _Analysis) -> None:
+    """Views of ``root`` whose meta still describes the tensor ``root`` replaced get their
+    ``meta["val"]`` recomputed, so later passes see the real aliasing."""
+    key = an.storage.get(root)
+    todo = [u for u in root.users if u.target in _VIEW_TARGETS]
+    seen: set[torch.fx.Node] = set()
+    while todo:
+        view = todo.pop()
+        if view in seen or not isinstance(view.args[0], torch.fx.Node):
+            continue
+        seen.add(view)
+        base = _val(view.args[0])
+        if base is None or an.storage.get(view) == key:
+            continue
+        args = (base, *view.args[1:])
+        try:
+            view.meta["val"] = view.target(*args, **view.kwargs)  # type: ignore[operator]
+        except Exception:
+            continue
+        an.merge(view, root)
+        todo.extend(u for u in view.users if u.target in _VIEW_TARGETS)
+
+
 def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [a for a in node.all_input_nodes if _val(a) is not None]
 
@@ -193,6 +217,7 @@ def _rewrite_in_place(node: torch.fx.Node, dst: torch.fx.Node, an: _Analysis) ->
         original_src = node.args[1]
         node.replace_all_uses_with(dst)
         an.erase(node)
+        _refresh_views(dst, an)
         if src is not original_src and isinstance(original_src, torch.fx.Node) and not original_src.users:
             old_view = original_src.args[0]
             an.erase(original_src)
@@ -207,6 +232,7 @@ def _rewrite_in_place(node: torch.fx.Node, dst: torch.fx.Node, an: _Analysis) ->
     if (val := _val(dst)) is not None:
         node.meta["val"] = val
     an.merge(node, dst)
+    _refresh_views(dst, an)
     return True
 
 
@@ -289,6 +315,7 @@ def _input_out_variant(src: torch.fx.Node, dst: torch.fx.Node, copy: torch.fx.No
     if (val := _val(dst)) is not None:
         src.meta["val"] = val
     an.merge(src, dst)
+    _refresh_views(dst, an)
     return True
 
 
@@ -303,6 +330,13 @@ def input_inplace_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
         assert isinstance(dst, torch.fx.Node) and isinstance(src, torch.fx.Node)
         if copy.users or an.storage.get(dst) is None:
             continue
+        # ``dst.copy_(x)`` traces to copy(dst, x) + epilogue; with equal metadata copy(dst, x)
+        # is x itself, and the epilogue can then make x's producer write into dst.
+        x = src.args[1] if src.target is aten.copy.default and len(src.args) > 1 else None
+        if src.args and src.args[0] is dst and isinstance(x, torch.fx.Node) and same_meta(src, x):
+            src.replace_all_uses_with(x)
+            an.erase(src)
+            src = x
         done = _input_in_place(src, dst, copy, an) or _input_out_variant(src, dst, copy, an)
         if done and copy.args[1] is dst and not copy.users:
             graph.erase_node(copy)

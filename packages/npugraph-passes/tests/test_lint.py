@@ -1,0 +1,89 @@
+"""Capture-safety lint: names unsafe nodes with the user's source line; never edits the graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from npugraph_passes import find_unsafe_nodes
+from npugraph_passes._compat import compiled_inference_graphs
+from npugraph_passes.lint import META_KEY, capture_safety_lint
+from torch.fx.experimental.proxy_tensor import make_fx
+
+
+def _reasons(fn, *inputs):  # type: ignore[no-untyped-def]
+    # symbolic tracing keeps data-dependent ops (item, nonzero) in the graph
+    gm = make_fx(fn, tracing_mode="symbolic")(*inputs)
+    return {(u.target, u.reason.split(" (")[0]) for u in find_unsafe_nodes(gm)}
+
+
+def test_item_is_a_host_sync() -> None:
+    found = _reasons(lambda x: (x * x.sum().item(),), torch.randn(4))
+    assert ("aten._local_scalar_dense.default", "host sync") in found
+
+
+def test_nonzero_and_bool_mask_are_data_dependent() -> None:
+    found = _reasons(lambda x: (x.nonzero(), x[x > 0]), torch.randn(4))
+    assert ("aten.nonzero.default", "data-dependent output shape") in found
+    assert ("aten.index.Tensor", "data-dependent output shape") in found
+
+
+def test_integer_index_is_safe() -> None:
+    assert _reasons(lambda x, i: (x[i] * 2,), torch.randn(4), torch.tensor([0, 2])) == set()
+
+
+def test_rng_is_unsafe_and_eval_dropout_and_sdpa_are_not() -> None:
+    assert ("aten.rand.default", "random number generation") in _reasons(
+        lambda x: (x + torch.rand(4),), torch.randn(4)
+    )
+    q = torch.randn(1, 2, 3, 4)
+
+    def attention(q: torch.Tensor) -> tuple[torch.Tensor]:
+        out = torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=0.0)
+        return (torch.nn.functional.dropout(out, p=0.5, training=False),)
+
+    assert _reasons(attention, q) == set()
+
+
+def test_unsafe_node_names_the_user_source_line() -> None:
+    def model(x: torch.Tensor) -> torch.Tensor:
+        noise = torch.rand_like(x)  # the line the lint must name
+        return x + noise
+
+    (gm, _), *_ = compiled_inference_graphs(model, [torch.randn(4)])
+    unsafe = find_unsafe_nodes(gm)
+    assert len(unsafe) == 1
+    assert unsafe[0].source is not None
+    assert "test_lint.py" in unsafe[0].source
+    assert "noise = torch.rand_like(x)" in unsafe[0].source
+    assert "random number generation" in str(unsafe[0])
+
+
+def test_lint_pass_stores_result_and_leaves_graph_unchanged() -> None:
+    gm = make_fx(lambda x: x.nonzero(), tracing_mode="fake")(torch.randn(4))
+    before = [n.format_node() for n in gm.graph.nodes]
+    capture_safety_lint(gm, [], None)
+    assert [u.target for u in gm.meta[META_KEY]] == ["aten.nonzero.default"]
+    assert [n.format_node() for n in gm.graph.nodes] == before
+
+
+def test_safe_cpu_graph_reports_nothing() -> None:
+    assert _reasons(lambda x, w: (torch.relu(x @ w).softmax(-1),), torch.randn(2, 3), torch.randn(3, 3)) == set()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cpu_computation_inside_a_cuda_graph_is_named() -> None:
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor]:
+        host = x.cpu() * 2
+        return (host.to(x.device) + x,)
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(4, device="cuda"))
+    reasons = {u.reason for u in find_unsafe_nodes(gm)}
+    assert "CPU tensor inside a cuda graph" in reasons
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_cuda_graph_without_host_work_is_clean() -> None:
+    gm = make_fx(lambda x: (x.relu() * 2,), tracing_mode="fake")(torch.randn(4, device="cuda"))
+    assert find_unsafe_nodes(gm) == []
