@@ -1,0 +1,176 @@
+"""npugraph_ex.inference.cache_compile on the npugraph_ex backend: compile once, load in later
+processes without dynamo, AOT or passes, never a wrong result."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from npugraph_cache import CacheWarning
+from npugraph_cache.format import MAGIC
+from npugraph_cache.store import CacheStore
+
+from npugraph_ex.inference import cache_compile, readable_cache
+
+WORKER = Path(__file__).with_name("test_cache_compile_worker.py")
+
+
+@pytest.fixture(autouse=True)
+def fresh_counters() -> Iterator[None]:
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    yield
+    counters.clear()
+
+
+def _worker(cache_dir: Path, out: Path) -> dict[str, Any]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run(
+        [sys.executable, str(WORKER), str(cache_dir), str(out)], env=env, check=True, timeout=240
+    )
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def test_seed_example_second_process_loads_without_dynamo_and_matches_eager(tmp_path: Path) -> None:
+    first = _worker(tmp_path / "cache", tmp_path / "first.json")
+    assert first["cache"] == {"compiled": 2} and first["max_error"] == 0.0
+    second = _worker(tmp_path / "cache", tmp_path / "second.json")
+    assert second["cache"] == {"loaded": 2}
+    assert second["unique_graphs"] == 0  # dynamo traced no frame
+    assert second["aot"] == {}  # AOT autograd did not run (no cache lookup, no compile)
+    assert second["captures"] >= 2  # device graphs captured again in this process
+    assert second["max_error"] == 0.0
+    assert second["warnings"] == []
+
+
+class Decoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.proj(x)) + kv
+
+    def decode(self, x: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+        return self.forward(x, kv)
+
+
+@pytest.fixture
+def decoder() -> Decoder:
+    torch.manual_seed(0)
+    return Decoder().eval()
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)
+
+
+def _eager(decoder: Decoder, *args: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return decoder.decode(*args)
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:100])
+
+
+def _garbage(path: Path) -> None:
+    path.write_bytes(b"\x80\x04" + os.urandom(2000))
+
+
+def _old_version(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    struct.pack_into("<H", data, len(MAGIC), 0)
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("damage", [_truncate, _garbage, _old_version])
+def test_damaged_entry_warns_once_and_results_stay_correct(
+    tmp_path: Path, decoder: Decoder, damage: Callable[[Path], None]
+) -> None:
+    x, kv = _inputs()
+    first = cache_compile(decoder.decode, cache_dir=tmp_path)
+    first(x, kv)
+    [path] = first.entry_paths
+    damage(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = cache_compile(decoder.decode, cache_dir=tmp_path)
+        for _ in range(3):  # warm-up, capture, replay
+            torch.testing.assert_close(again(x, kv), _eager(decoder, x, kv))
+    [message] = [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
+    assert str(path) in message
+    assert CacheStore.read(path) is not None  # rewritten whole
+
+
+def test_options_change_the_entry_and_equal_options_load_it(
+    tmp_path: Path, decoder: Decoder
+) -> None:
+    x, kv = _inputs()
+    a = cache_compile(decoder.decode, cache_dir=tmp_path, options={"capture_limit": 4})
+    b = cache_compile(decoder.decode, cache_dir=tmp_path, options={"capture_limit": 5})
+    torch.testing.assert_close(a(x, kv), _eager(decoder, x, kv))
+    torch.testing.assert_close(b(x, kv), _eager(decoder, x, kv))
+    assert a.entry_paths != b.entry_paths
+    from torch._dynamo.utils import counters
+
+    c = cache_compile(decoder.decode, cache_dir=tmp_path, options={"capture_limit": 4})
+    torch.testing.assert_close(c(x, kv), _eager(decoder, x, kv))
+    assert c.entry_paths == a.entry_paths
+    assert counters["npugraph_ex_cache"]["loaded"] == 1
+
+
+def test_custom_decompositions_are_applied_and_keyed(tmp_path: Path, decoder: Decoder) -> None:
+    def relu_as_clamp(x: torch.Tensor) -> torch.Tensor:
+        return torch.clamp_min(x, 0.0)
+
+    x, kv = _inputs()
+    plain = cache_compile(decoder.decode, cache_dir=tmp_path)
+    decomposed = cache_compile(
+        decoder.decode,
+        cache_dir=tmp_path,
+        custom_decompositions={torch.ops.aten.relu.default: relu_as_clamp},
+    )
+    torch.testing.assert_close(decomposed(x, kv), _eager(decoder, x, kv))
+    torch.testing.assert_close(plain(x, kv), _eager(decoder, x, kv))
+    assert decomposed.entry_paths != plain.entry_paths
+    text = readable_cache(decomposed.entry_paths[0], print_output=False)
+    code = text.split("compiled graph code")[1]
+    assert "clamp_min" in code and "relu" not in code
+
+
+def test_readable_cache_shows_the_optimized_graph_and_options(
+    tmp_path: Path, decoder: Decoder
+) -> None:
+    fn = cache_compile(decoder.decode, cache_dir=tmp_path, options={"capture_limit": 3})
+    fn(*_inputs())
+    out = tmp_path / "readable.txt"
+    text = readable_cache(fn.entry_paths[0], print_output=False, file=out)
+    assert "Decoder.decode" in text and "capture_limit=3" in text
+    assert "torch.ops.aten.addmm" in text.split("compiled graph code")[1]
+    assert out.read_text() == text and (out.stat().st_mode & 0o777) == 0o600
+
+
+def test_unknown_keyword_and_uncacheable_options_are_value_errors(decoder: Decoder) -> None:
+    with pytest.raises(ValueError, match="'config'"):
+        cache_compile(decoder.decode, config=None)
+    with pytest.raises(ValueError, match="capture_limit"):
+        cache_compile(decoder.decode, options={"capture_limit": 0})
+    import npugraph_runtime
+
+    with pytest.raises(ValueError, match="use_graph_pool"):
+        cache_compile(
+            decoder.decode, options={"use_graph_pool": npugraph_runtime.graph_pool_handle("cpu")}
+        )
