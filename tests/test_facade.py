@@ -103,3 +103,29 @@ def test_limit_core_num_inside_a_fullgraph_compiled_function() -> None:
     x = torch.randn(8)
     torch.testing.assert_close(g(x), f(x))
     torch.testing.assert_close(g(x + 1), f(x + 1))
+
+
+def test_torch_npu_gets_npugraph_ex_when_it_has_none(tmp_path: pytest.TempPathFactory) -> None:
+    # Stand-in for torch_npu (no Ascend hardware here): a module that only adds torch.npu.
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    pkg = os.path.join(str(tmp_path), "torch_npu")
+    os.makedirs(pkg)
+    with open(os.path.join(pkg, "__init__.py"), "w") as f:
+        f.write("import types, torch\ntorch.npu = types.ModuleType('torch.npu')\n")
+    script = textwrap.dedent(
+        """
+        import torch, npugraph_ex
+        assert torch.npu.npugraph_ex is npugraph_ex
+        assert torch.npu.npugraph_ex.compile_fx is npugraph_ex.compile_fx
+        print("OK")
+        """
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "OK"

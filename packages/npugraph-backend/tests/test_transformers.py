@@ -65,7 +65,6 @@ def test_greedy_decode_with_static_cache_matches_eager(make: Callable[[], Any]) 
     assert len(captured) == 1
 
 
-@pytest.mark.slow
 @torch.no_grad()
 def test_generate_with_compile_config_matches_eager() -> None:
     model = llama()

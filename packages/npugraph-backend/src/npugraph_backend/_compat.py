@@ -13,16 +13,22 @@ from typing import Any
 import torch
 import torch.fx
 
+
 # --- AOTAutograd entry -----------------------------------------------------------------------
 # torch._functorch.aot_autograd.aot_module_simplified: checked on 2.13.0 (keyword
-# keep_inference_input_mutations and inference_compiler present since 2.0).
-from torch._functorch.aot_autograd import aot_module_simplified as aot_module_simplified
+# keep_inference_input_mutations and inference_compiler present since 2.0). Imported on first use:
+# it pulls in all of dynamo, which `import npugraph_ex` should not pay for.
+def aot_module_simplified(*args: Any, **kwargs: Any) -> Any:
+    from torch._functorch.aot_autograd import aot_module_simplified as _aot
+
+    return _aot(*args, **kwargs)
+
 
 # --- TracingContext (AOT metadata of the graph being compiled) --------------------------------
 # torch._guards.TracingContext.try_get().fw_metadata (a ViewAndMutationMeta): checked on 2.13.0;
 # fields input_info[i].mutates_data, output_info[i].output_type/base_idx, static_input_indices,
 # mutated_inp_runtime_indices, tokens exist since 2.4.
-from torch._guards import TracingContext as _TracingContext
+from torch._guards import TracingContext as _TracingContext  # noqa: E402
 
 
 @dataclass(frozen=True)
