@@ -29,6 +29,7 @@ from npugraph_ex.bench.backends import (
 )
 from npugraph_ex.bench.context import BenchContext, fmt_exc
 from npugraph_ex.bench.report import environment
+from npugraph_ex.bench.timing import clock, use_clock
 from npugraph_ex.models import best_device, build_decoder, synchronize
 
 PROMPT = 8
@@ -93,10 +94,10 @@ def decode(ctx: BenchContext, dec: Any, name: str, prompt: torch.Tensor, n: int,
         tokens = [int(t) for t in token.flatten().tolist()]
         times: list[float] = []
         for i in ctx.steps(range(n - 1), desc=f"{name:>9}", total=n - 1):
-            t0 = time.perf_counter()
+            t0 = clock()
             token = step(token, dec.position(PROMPT + i))
             synchronize(dec.device)
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
             tokens.extend(int(t) for t in token.flatten().tolist())
     steady = times[SKIP_STEPS:] or times
     return {"tokens": tokens, "step_s": times, "per_token_ms": statistics.median(steady) * 1e3,
@@ -113,6 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else 0)
     if threads > 0:
         torch.set_num_threads(threads)
+    clock_name = use_clock(device)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     ctx = BenchContext(device=device, out=out, quick=args.quick, progress=not args.no_progress)
@@ -157,12 +159,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     memory = ours["graph_bytes"]
     print("memory held by the graphs: "
           + (f"{memory / 2**20:.2f} MiB ({pool.how})" if memory is not None else "not measured"))
-    print("\nper-token latency (median of steps after the first two):")
+    print(f"\nper-token latency (median of steps after the first two; clock: {clock_name}):")
     for name, ms, speedup in rows:
         label = "npugraph_ex" if name == OURS else name
         print(f"  {label:<12} {ms:9.3f} ms   {speedup:5.2f}x eager")
     doc = {
-        "environment": environment(device),
+        "environment": {**environment(device), "clock": clock_name},
         "model": {"family": dec.family, "size": args.size, "params": dec.params,
                   "dtype": str(dec.dtype), "note": dec.note},
         "prompt_tokens": PROMPT, "tokens": n, "tokens_identical": same,

@@ -18,6 +18,7 @@ import torch
 
 from npugraph_ex.bench.context import BenchContext, fmt_exc
 from npugraph_ex.bench.report import Section, environment, plot, print_table, write_json
+from npugraph_ex.bench.timing import use_clock
 from npugraph_ex.models import best_device
 
 SECTIONS: dict[str, tuple[str, str]] = {
@@ -53,6 +54,9 @@ def parser() -> argparse.ArgumentParser:
                         "machine are stable; elsewhere torch's default)")
     p.add_argument("--inductor-budget", type=float, default=300.0,
                    help="seconds after which an inductor compile is given up and noted (default 300)")
+    p.add_argument("--clock", choices=("auto", "cpu", "wall"), default="auto",
+                   help="what timings read: auto (default) = the thread's CPU time on a CPU run "
+                        "with one thread (immune to other processes on the machine), else wall")
     p.add_argument("--budget", type=float, default=0.0,
                    help="seconds for the whole suite: sections not started by then are skipped "
                         "with a note (default: no limit)")
@@ -96,11 +100,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else 0)
     if threads > 0:
         torch.set_num_threads(threads)
+    clock_name = use_clock(device, args.clock)
     ctx = BenchContext(device=device, out=out, quick=args.quick, runs=runs,
                        inductor_budget_s=args.inductor_budget, progress=not args.no_progress)
     env = environment(device)
+    env["clock"] = clock_name
     print(f"npugraph-ex bench on {device} ({env['device_name']}), torch {env['torch']}, "
-          f"{env['cores']} cores, sections {','.join(keys)}{' (quick)' if args.quick else ''}",
+          f"{env['cores']} cores, {torch.get_num_threads()} thread(s), clock {clock_name}, sections {','.join(keys)}{' (quick)' if args.quick else ''}",
           flush=True)
     sections: list[Section] = []
     started = time.perf_counter()

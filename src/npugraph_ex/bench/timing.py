@@ -15,6 +15,31 @@ from npugraph_ex.models import synchronize
 
 MIN_RUNS = 20
 
+_CLOCK: Callable[[], float] = time.perf_counter
+CLOCK_NAME = "wall (perf_counter)"
+
+
+def use_clock(device: torch.device, kind: str = "auto") -> str:
+    """Choose the clock every timing reads. "cpu" is the calling thread's CPU time: on a CPU
+    run with one intra-op thread it is the time the work took, without the time other
+    processes of a shared machine took the core away. "auto" picks it exactly then, else wall
+    time (always wall time for a GPU, whose work the host thread only waits for)."""
+    global _CLOCK, CLOCK_NAME
+    if kind not in ("auto", "cpu", "wall"):
+        raise ValueError(f"clock={kind!r} is not allowed: use auto, cpu or wall")
+    cpu_ok = device.type == "cpu" and torch.get_num_threads() == 1
+    if kind == "cpu" and not cpu_ok:
+        raise ValueError("clock='cpu' needs a CPU run with one intra-op thread (--threads 1)")
+    if kind == "cpu" or (kind == "auto" and cpu_ok):
+        _CLOCK, CLOCK_NAME = time.thread_time, "thread CPU time (thread_time)"
+    else:
+        _CLOCK, CLOCK_NAME = time.perf_counter, "wall (perf_counter)"
+    return CLOCK_NAME
+
+
+def clock() -> float:
+    return _CLOCK()
+
 
 @dataclass(frozen=True)
 class Timing:
@@ -43,7 +68,7 @@ def measure(
         fn()
     synchronize(device)
     samples: list[float] = []
-    clock = time.perf_counter
+    clock = _CLOCK
     for _ in range(runs):
         start = clock()
         for _ in range(inner):
@@ -63,10 +88,10 @@ def measure(
 def inner_for(fn: Callable[[], object], device: torch.device, target_s: float = 2e-3) -> int:
     """Calls per sample so that one sample lasts about `target_s`."""
     synchronize(device)
-    start = time.perf_counter()
+    start = _CLOCK()
     fn()
     synchronize(device)
-    once = max(time.perf_counter() - start, 1e-7)
+    once = max(_CLOCK() - start, 1e-7)
     return max(1, min(1000, int(target_s / once)))
 
 
@@ -86,7 +111,7 @@ def measure_interleaved(
             fn()
     inner = {name: inner_for(fn, device, target_s) for name, fn in fns.items()}
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    clock = time.perf_counter
+    clock = _CLOCK
     synchronize(device)
     for _ in range(runs):
         for name, fn in fns.items():
