@@ -118,13 +118,19 @@ def _static_shape(node: torch.fx.Node, val: torch.Tensor) -> tuple[int, ...]:
 
 
 def _tensor_value(node: torch.fx.Node) -> torch.Tensor | None:
-    if "val" not in node.meta and "tensor_meta" not in node.meta:
-        raise ValueError(
-            f"dump_tensor_data: node {node.name!r} ({node.op} {node.target}) has no "
-            f"node.meta['val'], so its shape is unknown; the graph must come from AOT or make_fx"
-        )
     val = node.meta.get("val")
     return val if isinstance(val, torch.Tensor) else None
+
+
+def _without_metadata(nodes: list[torch.fx.Node]) -> list[torch.fx.Node]:
+    """Nodes whose value is unknown (no ``node.meta['val']``); refused when that is every node."""
+    missing = [n for n in nodes if "val" not in n.meta]
+    if missing and len(missing) == len(nodes):
+        raise ValueError(
+            f"dump_tensor_data: the graph's nodes carry no node.meta['val'] (first: "
+            f"{missing[0].name!r}), so their shapes are unknown; dump an AOT or make_fx graph"
+        )
+    return missing
 
 
 def instrument(gm: torch.fx.GraphModule, config: Any) -> torch.fx.GraphModule:
@@ -139,7 +145,7 @@ def instrument(gm: torch.fx.GraphModule, config: Any) -> torch.fx.GraphModule:
     # Copies of inputs go after the last placeholder, keeping placeholders first.
     input_anchor: torch.fx.Node | None = placeholders[-1] if placeholders else None
     slots: list[_Slot] = []
-    skipped: list[str] = []
+    skipped = [n.name for n in _without_metadata(nodes)]
     for node in nodes:
         val = _tensor_value(node)
         if val is None:
@@ -163,7 +169,7 @@ def instrument(gm: torch.fx.GraphModule, config: Any) -> torch.fx.GraphModule:
             input_anchor = copy
         slots.append(_Slot(node.name, attr, val.device))
     if skipped:
-        logger.warning("dump_tensor_data: not dumping non-strided tensors %s", skipped)
+        logger.warning("dump_tensor_data: not dumping %s (no metadata or not strided)", skipped)
     graph.lint()
     gm.recompile()
     # Plain data, so a pickled graph module keeps its dump plan.
