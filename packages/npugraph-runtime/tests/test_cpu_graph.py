@@ -309,3 +309,28 @@ def test_collective_result_is_waited_for_and_copied() -> None:
         torch.testing.assert_close(out, x * 2 + 1)
     finally:
         dist.destroy_process_group()
+
+
+def test_capture_in_inference_mode_replays_outside_it() -> None:
+    x = torch.randn(4)
+    g = ngr.Graph("cpu")
+    with torch.inference_mode(), ngr.graph(g):
+        y = (x * 2).sin()
+    x.copy_(torch.randn(4))
+    g.replay()
+    torch.testing.assert_close(y, (x * 2).sin(), rtol=0, atol=0)
+
+
+def test_intermediate_grown_by_an_out_op_replays() -> None:
+    a, b = torch.randn(3, 4), torch.randn(2, 4)
+
+    def fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        buf = torch.empty(0)
+        torch.cat([x, y], out=buf)  # resizes buf's storage after it was recorded
+        return buf * 2
+
+    g, out = capture(fn, a, b)
+    a.copy_(torch.randn(3, 4))
+    b.copy_(torch.randn(2, 4))
+    g.replay()
+    torch.testing.assert_close(out, fn(a, b), rtol=0, atol=0)

@@ -42,17 +42,13 @@ def public_op_namespaces() -> tuple[Any, ...]:
     return tuple(getattr(torch._C, n) for n in names if hasattr(torch._C, n))
 
 
-def set_grad_enabled_fn() -> Callable[[bool], None]:
-    """Checked on torch 2.13.0 and 2.11: ``torch._C._set_grad_enabled`` flips grad mode without the
-    context-manager object that ``torch.set_grad_enabled`` builds."""
-    fn = getattr(torch._C, "_set_grad_enabled", None)
-    if fn is None:  # pragma: no cover
-
-        def fallback(mode: bool) -> None:
-            torch.set_grad_enabled(mode)
-
-        return fallback
-    return cast(Callable[[bool], None], fn)
+def inference_mode_guard() -> Callable[[bool], Any]:
+    """Checked on torch 2.13.0 and 2.11: ``torch._C._InferenceMode(True)`` is the RAII guard behind
+    ``torch.inference_mode`` (a context manager, without the Python decorator machinery)."""
+    guard = getattr(torch._C, "_InferenceMode", None)
+    if guard is None:  # pragma: no cover
+        return cast(Callable[[bool], Any], torch.inference_mode)
+    return cast(Callable[[bool], Any], guard)
 
 
 def storage_weak_ref(storage: torch.UntypedStorage) -> Any:

@@ -193,6 +193,8 @@ def _place_intermediates(recorder: Recorder, pool: CpuPool) -> tuple[list[Block]
     tensors, storages = recorder.tensors, recorder.storages
     weak: dict[int, Any] = {}
     for si, st in enumerate(storages):
+        if st.obj is not None:
+            st.nbytes = st.obj.nbytes()  # an out= op may have grown it after it was first seen
         if st.produced and not st.pinned and st.nbytes > 0 and st.obj is not None:
             weak[si] = _compat.storage_weak_ref(st.obj)
             st.obj = None

@@ -175,19 +175,11 @@ def generate(
             for p, ref in step_outs:
                 lines.append(f"{names.bind(res.tensor(ref).copy_)}(r{_path(p)})")
 
-    names.values["is_grad_enabled"] = torch.is_grad_enabled
-    names.values["set_grad_enabled"] = _compat.set_grad_enabled_fn()
+    # inference mode: no autograd work, and the graph may write tensors captured in inference mode
+    names.values["inference_mode"] = _compat.inference_mode_guard()
     params = ", ".join(f"{n}={n}" for n in names.values)
     body = "\n".join(f"        {line}" for line in lines) or "        pass"
-    source = (
-        f"def replay({params}):\n"
-        "    grad = is_grad_enabled()\n"
-        "    set_grad_enabled(False)\n"
-        "    try:\n"
-        f"{body}\n"
-        "    finally:\n"
-        "        set_grad_enabled(grad)\n"
-    )
+    source = f"def replay({params}):\n    with inference_mode(True):\n{body}\n"
     namespace: dict[str, Any] = dict(names.values)
     exec(compile(source, "<npugraph cpu replay>", "exec"), namespace)
     fn: Callable[[], None] = namespace["replay"]
