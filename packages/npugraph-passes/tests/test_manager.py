@@ -163,3 +163,14 @@ def test_pass_object_with_uuid_uses_it() -> None:
             return f"custom-{self.version}"
 
     assert GraphPass(Custom(1)).identity() != GraphPass(Custom(2)).identity()
+
+
+def test_user_pass_identity_includes_closed_over_values() -> None:
+    def make(scale: int) -> Any:
+        def scaled(gm: torch.fx.GraphModule, ex: Sequence[Any], cfg: Any) -> None:
+            gm.meta["scale"] = scale
+
+        return scaled
+
+    assert GraphPass(make(1)).identity() != GraphPass(make(2)).identity()
+    assert GraphPass(make(1)).identity() == GraphPass(make(1)).identity()

@@ -202,17 +202,21 @@ def aot_inference_graph(fn: Callable[..., Any], example_inputs: Any) -> tuple[to
 # torch._functorch.aot_autograd.aot_module_simplified and torch._dynamo.reset, checked on 2.13.0.
 def compiled_inference_graphs(fn: Callable[..., Any], example_inputs: Any) -> list[tuple[torch.fx.GraphModule, list[Any]]]:
     """Every AOT forward graph torch.compile makes of ``fn(*example_inputs)`` (run once, under
-    no_grad, on clones of the inputs)."""
+    no_grad, on clones of the inputs), each with the real tensors its placeholders stand for
+    (parameters, buffers and inputs as dynamo passed them; AOT's fake ones when they differ)."""
     import torch._dynamo
     from torch._functorch.aot_autograd import aot_module_simplified
 
     captured: list[tuple[torch.fx.GraphModule, list[Any]]] = []
 
-    def fw(gm: torch.fx.GraphModule, inputs: Any) -> Any:
-        captured.append((gm, list(inputs)))
-        return gm
-
     def backend(gm: torch.fx.GraphModule, inputs: Any) -> Any:
+        real = list(inputs)
+
+        def fw(fw_gm: torch.fx.GraphModule, fw_inputs: Any) -> Any:
+            placeholders = [n for n in fw_gm.graph.nodes if n.op == "placeholder"]
+            captured.append((fw_gm, real if len(placeholders) == len(real) else list(fw_inputs)))
+            return fw_gm
+
         fw_any: Any = fw
         return aot_module_simplified(gm, inputs, fw_compiler=fw_any, keep_inference_input_mutations=True)
 

@@ -7,12 +7,14 @@ same options has the same identity in every process; editing the pass changes it
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import marshal
 import sys
 import types
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 
@@ -50,6 +52,8 @@ def source_digest(obj: object) -> str:
     if isinstance(target, types.MethodType):
         target = target.__func__
     h = hashlib.sha256()
+    if isinstance(target, types.FunctionType):
+        _closure_digest(target, h)
     try:
         h.update(inspect.getsource(target).encode())
     except (OSError, TypeError):
@@ -68,6 +72,42 @@ def module_digest(fn: Callable[..., object]) -> str:
     if module is None:
         return source_digest(fn)
     return source_digest(module)
+
+
+@functools.cache
+def package_digest() -> str:
+    """sha256 of every source file of npugraph_passes: the identity of the built-in passes
+    changes when any of them, or a helper they share, changes."""
+    root = Path(__file__).resolve().parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+_SIMPLE = (int, float, str, bool, bytes, type(None))
+
+
+def _closure_digest(fn: types.FunctionType, h: Any) -> None:
+    """Values a function closes over or defaults to decide what it does, so they are hashed
+    (simple values by value, anything else by type)."""
+    values: list[object] = list(fn.__defaults__ or ())
+    values += list((fn.__kwdefaults__ or {}).items())
+    for cell in fn.__closure__ or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            values.append("<empty>")
+    for value in values:
+        if isinstance(value, _SIMPLE) or (
+            isinstance(value, tuple) and all(isinstance(v, _SIMPLE) for v in value)
+        ):
+            h.update(repr(value).encode())
+        elif isinstance(value, types.FunctionType):
+            h.update(source_digest(value).encode())
+        else:
+            h.update(type(value).__qualname__.encode())
 
 
 def options_digest(options: Mapping[str, object]) -> str:

@@ -16,7 +16,7 @@ import torch
 import torch.fx
 
 from npugraph_passes.errors import PassError
-from npugraph_passes.identity import combine, module_digest, options_digest, source_digest
+from npugraph_passes.identity import combine, options_digest, package_digest, source_digest
 
 PassFn = Callable[[torch.fx.GraphModule, Sequence[Any], Any], None]
 Observer = Callable[[str, torch.fx.GraphModule, "PassRecord"], None]
@@ -47,8 +47,9 @@ class GraphPass:
     """A named pass with a stable identity.
 
     ``options`` are the names and values of the options the pass reads; they are part of the
-    identity. ``builtin`` passes hash the source of their whole module (helpers included); user
-    passes hash their own source (or bytecode, or their ``identity()``/``uuid()``).
+    identity. ``builtin`` passes hash every source file of npugraph_passes (their helpers are
+    shared); user passes hash their own source, defaults and closed-over values (or bytecode when
+    there is no source, or their own ``identity()``/``uuid()``).
     """
 
     def __init__(
@@ -72,7 +73,7 @@ class GraphPass:
 
     def identity(self) -> str:
         if self._identity is None:
-            code = module_digest(self.fn) if self.builtin else source_digest(self.fn)
+            code = package_digest() if self.builtin else source_digest(self.fn)
             self._identity = combine(self.name, code, options_digest(self.options))
         return self._identity
 

@@ -1,0 +1,191 @@
+"""The passes as the backend runs them: what a custom post pass sees through
+torch.compile(backend="npugraph_ex") on CPU, and that the compiled results equal eager."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+import torch
+from npugraph_passes import register_replacement
+
+aten = torch.ops.aten
+
+
+class Seen:
+    """A custom pass that records the call_function targets of every graph it is given."""
+
+    def __init__(self) -> None:
+        self.graphs: list[list[object]] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> None:
+        self.graphs.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
+
+    def count(self, target: object) -> int:
+        return sum(g.count(target) for g in self.graphs)
+
+    def input_copies(self) -> int:
+        return sum(1 for g in self.graphs for t in g if t is aten.copy_.default)
+
+
+def _compile(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+    return torch.compile(fn, backend="npugraph_ex", fullgraph=True, dynamic=False, options=options)
+
+
+def _check(compiled: Callable[..., Any], fn: Callable[..., Any], make_inputs: Callable[[], list[torch.Tensor]],
+           calls: int = 3) -> None:
+    """Compiled and eager agree on outputs and on mutated inputs, call after call."""
+    eager_inputs, compiled_inputs = make_inputs(), make_inputs()
+    with torch.no_grad():
+        for _ in range(calls):
+            expected = fn(*eager_inputs)
+            got = compiled(*compiled_inputs)
+            torch.testing.assert_close(got, expected)
+            for e, g in zip(eager_inputs, compiled_inputs, strict=True):
+                torch.testing.assert_close(g, e)
+
+
+def _cat_model(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x.sin(), (x @ w).relu()]) * 2
+
+
+def _cat_inputs() -> list[torch.Tensor]:
+    torch.manual_seed(1)
+    return [torch.randn(3, 4), torch.randn(4, 4)]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_post_pass_sees_cat_only_when_remove_cat_ops_is_off(enabled: bool) -> None:
+    seen = Seen()
+    compiled = _compile(_cat_model, remove_cat_ops=enabled, post_grad_custom_post_pass=seen)
+    _check(compiled, _cat_model, _cat_inputs)
+    assert seen.graphs
+    assert seen.count(aten.cat.default) == (0 if enabled else 1)
+    if enabled:
+        assert seen.count(aten.sin.out) == 1
+        assert seen.count(aten.relu.out) == 1
+
+
+class KVCache(torch.nn.Module):
+    """A static KV cache written with index_copy_ each step, read by attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("k", torch.zeros(1, 2, 16, 8))
+        self.register_buffer("v", torch.zeros(1, 2, 16, 8))
+        self.q = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.k.index_copy_(2, pos, x)
+        self.v.index_copy_(2, pos, x * 2)
+        q = self.q(x)
+        return torch.nn.functional.scaled_dot_product_attention(q, self.k, self.v)
+
+
+def test_kv_cache_post_pass_sees_index_copy_and_no_cache_copy() -> None:
+    seen = Seen()
+    eager, model = KVCache().eval(), KVCache().eval()
+    model.load_state_dict(eager.state_dict())
+    compiled = _compile(model, post_grad_custom_post_pass=seen)
+    with torch.no_grad():
+        for step in range(4):
+            x = torch.randn(1, 2, 1, 8)
+            pos = torch.tensor([step])
+            torch.testing.assert_close(compiled(x, pos), eager(x, pos))
+    torch.testing.assert_close(model.k, eager.k)
+    torch.testing.assert_close(model.v, eager.v)
+    assert seen.count(aten.index_copy_.default) == 2
+    assert seen.count(aten.index_copy.default) == 0
+    assert seen.input_copies() == 0
+
+
+def test_kv_cache_keeps_its_copies_when_input_inplace_pass_is_off() -> None:
+    seen = Seen()
+    model = KVCache().eval()
+    compiled = _compile(model, input_inplace_pass=False, post_grad_custom_post_pass=seen)
+    with torch.no_grad():
+        compiled(torch.randn(1, 2, 1, 8), torch.tensor([0]))
+    assert seen.count(aten.index_copy_.default) == 0
+    assert seen.input_copies() == 2
+
+
+def _noop_slice_model(x: torch.Tensor) -> torch.Tensor:
+    return x[:, :].relu() + 1
+
+
+def test_noop_slice_seen_by_pre_pass_is_gone_for_post_pass() -> None:
+    pre, post = Seen(), Seen()
+    compiled = _compile(_noop_slice_model, post_grad_custom_pre_pass=pre, post_grad_custom_post_pass=post)
+    _check(compiled, _noop_slice_model, lambda: [torch.randn(3, 4)])
+    noop_views = (aten.slice.Tensor, aten.alias.default)
+    assert sum(pre.count(t) for t in noop_views) >= 1
+    assert sum(post.count(t) for t in noop_views) == 0
+
+
+def _linear_model(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.mm(x, w) + b
+
+
+def _linear_inputs() -> list[torch.Tensor]:
+    torch.manual_seed(2)
+    return [torch.randn(3, 4), torch.randn(4, 5), torch.randn(5)]
+
+
+def _search_mm_add(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return torch.mm(a, b) + c
+
+
+def _replace_mm_add(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    return torch.addmm(c, a, b)
+
+
+def _search_swish(x: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(x) * x
+
+
+def _replace_swish(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.silu(x)
+
+
+@functools.cache
+def _register_user_patterns() -> None:
+    # Once per process: registering the same pattern twice is an error (skip_duplicates=False).
+    register_replacement(_search_mm_add, _replace_mm_add,
+                         [torch.empty(2, 3), torch.empty(3, 4), torch.empty(4)], skip_duplicates=True)
+    register_replacement(_search_swish, _replace_swish, [torch.empty(4)])
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_register_replacement_mm_add_to_addmm_fires_only_with_pattern_fusion(enabled: bool) -> None:
+    _register_user_patterns()
+    seen = Seen()
+    compiled = _compile(_linear_model, pattern_fusion_pass=enabled, post_grad_custom_post_pass=seen)
+    _check(compiled, _linear_model, _linear_inputs)
+    assert seen.count(aten.addmm.default) == (1 if enabled else 0)
+    assert seen.count(aten.mm.default) == (0 if enabled else 1)
+
+
+def _swish_model(x: torch.Tensor) -> torch.Tensor:
+    return torch.sigmoid(x) * x + 1
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_user_pattern_without_builtin_twin_fires_only_with_pattern_fusion(enabled: bool) -> None:
+    _register_user_patterns()
+    seen = Seen()
+    compiled = _compile(_swish_model, pattern_fusion_pass=enabled, post_grad_custom_post_pass=seen)
+    _check(compiled, _swish_model, lambda: [torch.randn(3, 4)])
+    assert seen.count(aten.silu.default) == (1 if enabled else 0)
+    assert seen.count(aten.sigmoid.default) == (0 if enabled else 1)
+
+
+def test_user_pass_error_names_the_pass() -> None:
+    def broken(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> None:
+        raise ValueError("bad rewrite")
+
+    compiled = _compile(_noop_slice_model, post_grad_custom_post_pass=broken)
+    with pytest.raises(Exception, match="post_grad_custom_post_pass") as info, torch.no_grad():
+        compiled(torch.randn(3, 4))
+    assert "ValueError: bad rewrite" in str(info.value)
