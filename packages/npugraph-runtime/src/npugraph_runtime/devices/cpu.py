@@ -74,7 +74,8 @@ class CpuGraph:
         if device is not None and torch.device(device).type != "cpu":
             raise DeviceError(f"CpuGraph got device={device!r}; it captures 'cpu' only")
         self.device = _CPU
-        self._handle: PoolHandle = new_cpu_pool_handle()
+        self._private = new_cpu_pool_handle()
+        self._handle: PoolHandle = self._private
         self._recorder: Recorder | None = None
         self._pool: CpuPool | None = None
         self._claims: list[Block] = []
@@ -85,21 +86,32 @@ class CpuGraph:
     # --- capture -------------------------------------------------------------------------------
     def capture_begin(self, pool: PoolHandle | None = None, capture_error_mode: str = "global") -> None:
         """Start recording the ops this thread runs. ``pool``: share memory with the other graphs
-        captured into it (from ``graph_pool_handle("cpu")`` or another graph's ``pool()``)."""
+        captured into it (from ``graph_pool_handle("cpu")`` or another graph's ``pool()``); None
+        is the graph's private pool. Capturing a graph that holds a capture replaces it.
+
+        If an op is refused, CaptureError is raised from that op and later ops run eagerly,
+        unrecorded; the capture must still be ended: ``capture_end()`` (raises) or
+        ``abort_capture()`` (``npugraph_runtime.graph`` does that for you)."""
         _check_mode(capture_error_mode)
         if self._recorder is not None:
             raise CaptureError("capture_begin() called on a graph that is already capturing")
-        if _CAPTURING.graph is not None:
+        active = _CAPTURING.graph
+        if active is not None:
+            failed = active._recorder is not None and active._recorder.error is not None
             raise CaptureError(
                 "capture_begin() called while another graph is capturing in this thread: "
-                "captures cannot nest; end the other capture first"
-            )
-        if pool is not None:
-            if not isinstance(pool, PoolHandle) or pool.device.type != "cpu":
-                raise DeviceError(
-                    f"pool={pool!r} is not a cpu pool: give a handle from graph_pool_handle('cpu')"
+                "captures cannot nest; "
+                + (
+                    "that capture failed and was never ended: call its abort_capture()"
+                    if failed
+                    else "end the other capture first"
                 )
-            self._handle = pool
+            )
+        if pool is not None and (not isinstance(pool, PoolHandle) or pool.device.type != "cpu"):
+            raise DeviceError(
+                f"pool={pool!r} is not a cpu pool: give a handle from graph_pool_handle('cpu')"
+            )
+        self._handle = self._private if pool is None else pool
         if self._replay is not None:
             self._release()
         self._pool = cpu_pool(self._handle)
