@@ -15,12 +15,14 @@ from npugraph_runtime.errors import (
     PolicyError,
 )
 from npugraph_runtime.graphs import Graph, graph, graph_pool_handle, pool_bytes, synchronize
+from npugraph_runtime.manager import CaptureEvent, GraphedCallable, make_graphed_callable
 from npugraph_runtime.ops import current_scope, register_user_stream, user_stream
 from npugraph_runtime.spec import CapturePolicy, InputSpec, OutputSpec, SlotKind
 from npugraph_runtime.streams import Event, Stream, current_stream, stream
 
 __all__ = [
     "CaptureError",
+    "CaptureEvent",
     "CapturePolicy",
     "CpuGraph",
     "CrossStreamWarning",
@@ -28,6 +30,7 @@ __all__ = [
     "DeviceGraph",
     "Event",
     "Graph",
+    "GraphedCallable",
     "InputSpec",
     "NpugraphError",
     "OutputSpec",
@@ -42,6 +45,7 @@ __all__ = [
     "graph",
     "graph_pool_handle",
     "limit_core_num",
+    "make_graphed_callable",
     "max_core_num",
     "ops",
     "pool_bytes",

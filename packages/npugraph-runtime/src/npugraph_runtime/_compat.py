@@ -3,7 +3,8 @@ A torch upgrade is a change to this file only."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import collections
+from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
@@ -20,6 +21,41 @@ def mark_side_effectful(op: Any) -> None:
         register(op)
     else:
         fx_node._side_effectful_functions.add(op)
+
+
+# --- manager.py: counters, batched copies and address checks on the replay path ----------------
+def npugraph_ex_counters() -> collections.Counter[str]:
+    """Checked on torch 2.13.0 and 2.11: ``torch._dynamo.utils.counters`` is a
+    ``defaultdict(Counter)``; without dynamo a process-local Counter stands in."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # pragma: no cover - dynamo ships with every supported torch
+        return _LOCAL_COUNTERS
+    return counters["npugraph_ex"]
+
+
+_LOCAL_COUNTERS: collections.Counter[str] = collections.Counter()
+
+
+def foreach_copy() -> Callable[[list[torch.Tensor], Sequence[torch.Tensor]], object]:
+    """Checked on torch 2.13.0 and 2.11: ``torch._foreach_copy_(dsts, srcs)`` copies a list in one
+    dispatch (one launch on CUDA); per-tensor ``copy_`` where it is missing."""
+    op = getattr(torch, "_foreach_copy_", None)
+    if op is not None:
+        return cast(Callable[[list[torch.Tensor], Sequence[torch.Tensor]], object], op)
+
+    def copy_each(dsts: list[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+        for dst, src in zip(dsts, srcs, strict=True):
+            dst.copy_(src)
+
+    return copy_each
+
+
+def data_ptrs_at_indices_equal() -> Callable[[list[object], list[int | None], list[int]], bool] | None:
+    """Checked on torch 2.13.0: ``torch._C._tensors_data_ptrs_at_indices_equal`` exists in CUDA
+    builds only (declared in the stubs, absent from the CPU wheel). None where missing."""
+    fn = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+    return cast(Callable[[list[object], list[int | None], list[int]], bool] | None, fn)
 
 
 # --- devices/cpu*.py, pool.py: the emulated CPU device graph ------------------------------------

@@ -1,0 +1,61 @@
+"""What a GraphedCallable reports: capture events, counters and log lines.
+
+Counters live in ``torch._dynamo.utils.counters["npugraph_ex"]`` (as in the reference), named
+``<stem>_<callable name>``. Nothing here runs on the replay path: every counter name is built
+once per callable, and every log call formats lazily."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import NamedTuple
+
+from npugraph_runtime import _compat
+
+logger = logging.getLogger("npugraph_ex")
+
+NEW_KEY = "new_key"
+FORCE_RECAPTURE = "force_recapture"
+MUTATED_INPUT_CHANGE = "mutated_input_change"
+STATIC_INPUT_CHANGE = "static_input_change"
+CORE_LIMIT_CHANGE = "core_limit_change"
+RECAPTURE_REASONS = (FORCE_RECAPTURE, MUTATED_INPUT_CHANGE, STATIC_INPUT_CHANGE, CORE_LIMIT_CHANGE)
+
+CAPTURE_LIMIT = "capture_limit"
+FORCE_EAGER = "force_eager"
+UNSAFE_OP = "unsafe_op"
+FALLBACK_REASONS = (CAPTURE_LIMIT, FORCE_EAGER, UNSAFE_OP)
+
+_graph_numbers = itertools.count()
+
+
+def default_name() -> str:
+    """``graph_<n>``, n counting every unnamed callable of the process."""
+    return f"graph_{next(_graph_numbers)}"
+
+
+class CaptureEvent(NamedTuple):
+    """One capture: the graph key it was for and why (``"new_key"`` or a recapture reason)."""
+
+    key: tuple[int, ...]
+    reason: str
+
+
+class CounterNames:
+    """The counter keys of one callable, spelled once."""
+
+    def __init__(self, name: str) -> None:
+        self.captured = f"captured_{name}"
+        self.new_key = f"capture_due_to_new_key_{name}"
+        self.recapture = {r: f"recapture_due_to_{r}_{name}" for r in RECAPTURE_REASONS}
+        self.fallback = {r: f"eager_fallback_due_to_{r}_{name}" for r in FALLBACK_REASONS}
+
+    def count_capture(self, reason: str, captured_now: int) -> None:
+        counters = _compat.npugraph_ex_counters()
+        counters[self.new_key if reason == NEW_KEY else self.recapture[reason]] += 1
+        counters[self.captured] = captured_now
+
+    def count_fallback(self, reason: str) -> None:
+        counters = _compat.npugraph_ex_counters()
+        counters[self.fallback[reason]] += 1
+        counters[self.captured] = 0
