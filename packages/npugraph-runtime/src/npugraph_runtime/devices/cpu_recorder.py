@@ -46,7 +46,7 @@ _UNSAFE_NAMES = {
     "aten::set_.source_Storage": "swaps a tensor's storage",
     "aten::set_.source_Storage_storage_offset": "swaps a tensor's storage",
     "aten::set_.source_Tensor": "swaps a tensor's storage",
-    "aten::set_.default": "swaps a tensor's storage",
+    "aten::set_": "swaps a tensor's storage",
 }
 _COPY_OPS = frozenset({"aten::_to_copy", "aten::copy_", "aten::to.device", "aten::_copy_from"})
 
