@@ -93,6 +93,7 @@ class Step:
     saved: tuple[tuple[TRef, torch.Tensor], ...] = ()  # FROZEN: values to copy back
     candidates: list[Candidate] = field(default_factory=list)  # verified ways to re-issue it
     copy_costs: list[int] = field(default_factory=list)  # per output in ``outs``
+    stream: CpuStream | None = None  # the logical stream the op was issued on
 
 
 def _leaves(value: Any, path: tuple[int, ...] = ()) -> Iterator[tuple[tuple[int, ...], Any]]:
@@ -321,7 +322,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
         fresh = tuple(
             (p, r) for p, r in outs if self.tensors[r.i].storage >= known_before
         )
-        step = Step(func, Kind.SKIP, args_r, kwargs_r, outs)
+        stream = current_cpu_stream()
+        step = Step(func, Kind.SKIP, args_r, kwargs_r, outs, stream=stream)
 
         if reason is not None:
             self.frozen.append(name)
@@ -365,7 +367,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
             writes = {self.tensors[r.i].storage for _, r in fresh}
             writes |= {s for s in (self._storage_of(t) for t in written) if s is not None}
             reads = {s for s in in_storages if s is not None} - writes
-            problem = self.hazards.access(index, name, current_cpu_stream(), reads, writes)
+            problem = self.hazards.access(index, name, stream, reads, writes)
             if problem is not None:
                 self.hazard_reported = True
                 warnings.warn(problem, CrossStreamWarning, stacklevel=2)
