@@ -174,3 +174,25 @@ def test_user_pass_identity_includes_closed_over_values() -> None:
 
     assert GraphPass(make(1)).identity() != GraphPass(make(2)).identity()
     assert GraphPass(make(1)).identity() == GraphPass(make(1)).identity()
+
+
+def test_dead_code_elimination_drops_self_copies_and_dead_nodes_but_keeps_markers() -> None:
+    import npugraph_runtime  # noqa: F401  (registers torch.ops.npugraph_ex)
+    from npugraph_passes import dead_code_elimination
+
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    graph.call_function(torch.ops.aten.copy_.default, (x, x))
+    graph.call_function(torch.ops.aten.sin.default, (x,))
+    graph.call_function(torch.ops.npugraph_ex.scope_enter.default, (["k"], ["v"]))
+    graph.call_function(torch.ops.npugraph_ex.scope_exit.default, ())
+    kept = graph.call_function(torch.ops.aten.add_.Tensor, (x, 1))
+    graph.output((graph.call_function(torch.ops.aten.cos.default, (kept,)),))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    dead_code_elimination(gm, [], None)
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.copy_.default not in targets
+    assert torch.ops.aten.sin.default not in targets
+    assert torch.ops.npugraph_ex.scope_enter.default in targets
+    assert torch.ops.npugraph_ex.scope_exit.default in targets
+    assert torch.ops.aten.add_.Tensor in targets

@@ -283,3 +283,18 @@ def test_passes_leave_graphs_without_meta_alone(passes: tuple[Callable[..., None
     for p in passes:
         p(gm, [], None)
     assert _counts(gm) == before
+
+
+def test_returned_update_never_becomes_the_input_itself() -> None:
+    # remove_noop_ops drops the clone: the functional result is returned. Writing it into the
+    # cache would return the cache itself, which the next step overwrites.
+    def step(cache: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor]:
+        cache.index_copy_(0, pos, new)
+        return (cache.clone(),)
+
+    inputs = [torch.randn(6, 4), torch.tensor([2]), torch.randn(1, 4)]
+    gm, _ = _optimise(step, inputs, remove_noop_ops, inplace_pass, input_inplace_pass)
+    args = [t.clone() for t in inputs]
+    (out,) = gm(*args)
+    assert out.untyped_storage().data_ptr() != args[0].untyped_storage().data_ptr()
+    torch.testing.assert_close(out, args[0])

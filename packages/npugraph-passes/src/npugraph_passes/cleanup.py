@@ -24,5 +24,10 @@ def _is_impure(node: torch.fx.Node) -> bool:
 
 
 def dead_code_elimination(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> None:
-    """Removes nodes whose results are unused and that have no side effect."""
+    """Removes self-copies (``copy_(x, x)``) and nodes whose results are unused and that have
+    no side effect."""
+    for node in list(gm.graph.nodes):
+        if (node.op == "call_function" and node.target is torch.ops.aten.copy_.default
+                and len(node.args) >= 2 and node.args[0] is node.args[1] and not node.users):
+            gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code(is_impure_node=_is_impure)

@@ -96,14 +96,18 @@ def _val(match: Any, name: str) -> torch.Tensor | None:
     return val if isinstance(val, torch.Tensor) else None
 
 
+_PRODUCTS = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)
+
+
 def _bias_fits(match: Any) -> bool:
     """The add keeps the product's shape and dtype (no broadcasting beyond it, no promotion)."""
-    out = match.output_node().meta.get("val") if match.output_node() is not None else None
-    prod = match.nodes[0].meta.get("val") if match.nodes else None
+    output = match.output_node()
+    product = next((n for n in match.nodes if n.target in _PRODUCTS), None)
+    out = output.meta.get("val") if output is not None else None
+    prod = product.meta.get("val") if product is not None else None
     bias = _val(match, "bias")
-    if not all(isinstance(t, torch.Tensor) for t in (out, prod, bias)):
+    if not (isinstance(out, torch.Tensor) and isinstance(prod, torch.Tensor) and isinstance(bias, torch.Tensor)):
         return False
-    assert isinstance(out, torch.Tensor) and isinstance(prod, torch.Tensor) and isinstance(bias, torch.Tensor)
     return (
         _compat.statically_known_true(_compat.sym_eq(out.shape, prod.shape))
         and out.dtype == prod.dtype == bias.dtype

@@ -74,6 +74,7 @@ class _Analysis:
         self.input_storages: set[int] = set()
         self.streams = StreamMap(graph)
         self.erased: set[torch.fx.Node] = set()
+        self.output_node: torch.fx.Node = next(iter(reversed(graph.nodes)))
         for node in graph.nodes:
             key = node_storage(node)
             self.storage[node] = key
@@ -101,6 +102,15 @@ class _Analysis:
                     continue
                 found.append(user)
         return found
+
+    def is_returned(self, node: torch.fx.Node) -> bool:
+        """``node``'s value (or a view of it) is a graph output."""
+        if self.output_node.op != "output":
+            return False
+        key = self.storage.get(node)
+        returned: list[torch.fx.Node] = []
+        torch.fx.node.map_arg(self.output_node.args, returned.append)
+        return any(r is node or (key is not None and self.storage.get(r) == key) for r in returned)
 
     def users_of(self, target: torch.fx.Node) -> list[torch.fx.Node]:
         return [u for a in self.aliases(target) for u in a.users]
@@ -286,6 +296,9 @@ def _input_in_place(src: torch.fx.Node, dst: torch.fx.Node, copy: torch.fx.Node,
         return False
     if not _fits_in_place(src, dst) or _others_alias(src, dst, an):
         return False
+    # A returned result would become the input itself: new aliasing between input and output.
+    if an.is_returned(src):
+        return False
     if an.reads_after(src, dst, ignore={copy}):
         return False
     if an.written_between(dst, an.position[src], an.position[copy], ignore={copy}):
@@ -301,6 +314,8 @@ def _input_out_variant(src: torch.fx.Node, dst: torch.fx.Node, copy: torch.fx.No
     if out_op is None or "out" in src.kwargs:
         return False
     if not _fits_in_place(src, dst) or _others_alias(src, dst, an, skip_first=False):
+        return False
+    if an.is_returned(src):
         return False
     # dst now changes at src instead of at the epilogue: nobody may read it in between.
     if an.reads_after(src, dst, ignore={copy}) or an.written_between(dst, an.position[src], an.position[copy], {copy}):

@@ -54,7 +54,8 @@ class StreamMap:
         for i, node in enumerate(graph.nodes):
             self.position[node] = i
             if is_scope_enter(node):
-                keys, values = (list(node.args[0]), list(node.args[1])) if len(node.args) >= 2 else ([], [])
+                keys = list(node.args[0] if node.args else node.kwargs.get("keys", ()))
+                values = list(node.args[1] if len(node.args) > 1 else node.kwargs.get("values", ()))
                 stack.append(current)
                 if USER_STREAM_LABEL in keys:
                     current = str(values[keys.index(USER_STREAM_LABEL)])
