@@ -10,6 +10,8 @@ from typing import Any
 import npugraph_runtime as ngr
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from npugraph_runtime.devices import backend_for
 
 
@@ -334,3 +336,58 @@ def test_intermediate_grown_by_an_out_op_replays() -> None:
     b.copy_(torch.randn(2, 4))
     g.replay()
     torch.testing.assert_close(out, fn(a, b), rtol=0, atol=0)
+
+
+_UNARY = (torch.tanh, torch.sin, torch.relu, torch.neg, torch.sigmoid)
+_BINARY = (torch.add, torch.mul, torch.sub, torch.maximum)
+
+
+def _run_program(program: list[tuple[int, int, int]], x: torch.Tensor, y: torch.Tensor,
+                 state: torch.Tensor) -> list[torch.Tensor]:
+    """A random straight-line program over (4, 6) tensors: unary and binary ops, shape-preserving
+    views, reductions broadcast back, cat + slice, matmuls, in-place updates of intermediates and of
+    ``state``; values it never uses are dead code."""
+    values = [x, y]
+    for op, i, j in program:
+        a, b = values[i % len(values)], values[j % len(values)]
+        kind = op % 9
+        if kind == 0:
+            v = _UNARY[op % len(_UNARY)](a)
+        elif kind == 1:
+            v = _BINARY[op % len(_BINARY)](a, b)
+        elif kind == 2:
+            v = a.view(6, 4).t().t().view(4, 6) * 1.5
+        elif kind == 3:
+            v = a.sum(0, keepdim=True).expand(4, 6) + b
+        elif kind == 4:
+            v = torch.cat([a, b], 0)[2:6]
+        elif kind == 5:
+            v = (a @ b.t()) @ b / 8
+        elif kind == 6 and a is not x and a is not y:
+            v = a.add_(b)  # in place on an intermediate
+        elif kind == 7:
+            state.mul_(0.5).add_(a[:1])
+            v = state.expand(4, 6) + b
+        else:
+            v = a.unsqueeze(0).squeeze(0).clamp(-1, 1)
+        values.append(v)
+    return values[-2:] + values[len(values) // 2 : len(values) // 2 + 1]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 80), st.integers(0, 40), st.integers(0, 40)),
+                min_size=1, max_size=14))
+def test_random_programs_replay_like_eager(program: list[tuple[int, int, int]]) -> None:
+    x, y, state = torch.randn(4, 6), torch.randn(4, 6), torch.randn(1, 6)
+    state_before = state.clone()
+    g, outs = capture(_run_program, program, x, y, state)
+    torch.testing.assert_close(state, state_before, rtol=0, atol=0)  # capture applied nothing
+    for _ in range(2):
+        x.copy_(torch.randn(4, 6))
+        y.copy_(torch.randn(4, 6))
+        eager_state = state.clone()
+        expected = _run_program(program, x.clone(), y.clone(), eager_state)
+        g.replay()
+        for got, want in zip(outs, expected, strict=True):
+            torch.testing.assert_close(got, want)
+        torch.testing.assert_close(state, eager_state)

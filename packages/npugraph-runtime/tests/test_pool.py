@@ -7,6 +7,8 @@ from collections.abc import Callable
 import npugraph_runtime as ngr
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 
 def _capture_into(model: torch.nn.Module, x: torch.Tensor, pool: object) -> tuple[object, torch.Tensor]:
@@ -131,3 +133,35 @@ def test_pool_of_another_device_is_refused() -> None:
     assert as_pool_handle(7, "cpu") == ngr.PoolHandle(torch.device("cpu"), 7)
     with pytest.raises(ngr.PolicyError, match="not a pool of cpu"):
         as_pool_handle("shared", "cpu")
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(1, 5000), st.integers(0, 30), st.integers(0, 10)),
+        min_size=1,
+        max_size=25,
+    ),
+    st.integers(0, 2),
+)
+def test_planner_never_overlaps_items_alive_at_the_same_time(
+    raw: list[tuple[int, int, int]], earlier_graphs: int
+) -> None:
+    from npugraph_runtime.pool import CpuPool, Lifetime
+
+    pool = CpuPool(0)
+    for g in range(earlier_graphs):  # blocks left by other graphs of the pool
+        pool.plan([Lifetime(1000 * (g + 1), 0, 1)])
+    items = [Lifetime(n, first, first + span) for n, first, span in raw]
+    placed = pool.plan(items)
+    for i, (a, pa) in enumerate(zip(items, placed, strict=True)):
+        assert pa.offset + a.nbytes <= pa.block.nbytes
+        assert pa.offset % 64 == 0
+        for b, pb in list(zip(items, placed, strict=True))[i + 1 :]:
+            same_time = a.first <= b.last and b.first <= a.last
+            same_bytes = (
+                pa.block is pb.block
+                and pa.offset < pb.offset + b.nbytes
+                and pb.offset < pa.offset + a.nbytes
+            )
+            assert not (same_time and same_bytes)
