@@ -391,3 +391,20 @@ def test_random_programs_replay_like_eager(program: list[tuple[int, int, int]]) 
         for got, want in zip(outs, expected, strict=True):
             torch.testing.assert_close(got, want)
         torch.testing.assert_close(state, eager_state)
+
+
+def test_custom_op_without_result_is_reissued() -> None:
+    lib = torch.library.Library("npugraph_cpu_test", "FRAGMENT")
+    lib.define("bump(Tensor t) -> ()")  # a schema that does not declare its write
+
+    def bump(t: torch.Tensor) -> None:
+        t.add_(1)
+
+    lib.impl("bump", bump, "CPU")
+    counter = torch.zeros(2)
+    g = ngr.Graph("cpu")
+    with ngr.graph(g):
+        torch.ops.npugraph_cpu_test.bump(counter)
+    g.replay()
+    g.replay()
+    assert counter.tolist() == [2.0, 2.0]  # never at capture, once per replay

@@ -48,6 +48,7 @@ _UNSAFE_NAMES = {
     "aten::set_.source_Tensor": "swaps a tensor's storage",
     "aten::set_": "swaps a tensor's storage",
 }
+_TRUSTED_SCHEMAS = frozenset({"aten", "prims", "_c10d_functional", "npugraph_ex"})
 _COPY_OPS = frozenset({"aten::_to_copy", "aten::copy_", "aten::to.device", "aten::_copy_from"})
 
 
@@ -288,7 +289,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
         positions, names = write_positions(func)
         written = [t for i in positions if i < len(args) for t in _tensors(args[i])]
         written += [t for n in names for t in _tensors(kwargs.get(n))]
-        for t in written:
+        # a custom op's schema may not declare its writes: keep every pre-existing input it gets
+        for t in written if func.namespace in _TRUSTED_SCHEMAS else inputs:
             if t.device == _CPU:
                 self._snapshot(t)
         method = None
@@ -350,6 +352,10 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
                 step.outs = fresh
         elif func.namespace == "_c10d_functional" and fresh:
             step.kind, step.outs = Kind.COLLECTIVE, fresh
+        elif not fresh and func.namespace not in _TRUSTED_SCHEMAS:
+            # a custom op with no fresh result: its schema may not declare what it writes, so it
+            # is re-issued rather than trusted to be a view
+            step.kind = Kind.AS_IS
         elif not fresh or is_allocation(func):
             step.kind = Kind.SKIP  # views (every result aliases an input), non-tensor results
         else:
