@@ -408,3 +408,10 @@ def test_custom_op_without_result_is_reissued() -> None:
     g.replay()
     g.replay()
     assert counter.tolist() == [2.0, 2.0]  # never at capture, once per replay
+
+
+def test_sparse_tensor_is_a_capture_error() -> None:
+    sparse = torch.eye(3).to_sparse()
+    g = ngr.Graph("cpu")
+    with pytest.raises(ngr.CaptureError, match="sparse"), ngr.graph(g):
+        sparse * 2

@@ -171,7 +171,13 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
         if i is not None:
             self.storages[self.tensors[i].storage].last = index
             return i
-        st = t.untyped_storage()
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            raise CaptureError(
+                f"a {t.layout} tensor cannot be captured by the cpu graph: it records dense "
+                "(strided) tensors only; convert with .to_dense() outside the captured region"
+            ) from None
         si = self._storage_ix.get(id(st))
         if si is None:
             si = len(self.storages)
