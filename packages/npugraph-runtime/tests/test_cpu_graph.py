@@ -234,6 +234,12 @@ def test_capture_inside_capture_is_a_capture_error() -> None:
         outer.replay()
 
 
+def test_replay_while_capturing_is_a_capture_error() -> None:
+    g = ngr.Graph("cpu")
+    with pytest.raises(ngr.CaptureError, match="is capturing"), ngr.graph(g):
+        g.replay()
+
+
 def test_capture_end_without_begin_is_a_capture_error() -> None:
     with pytest.raises(ngr.CaptureError, match="without capture_begin"):
         ngr.Graph("cpu").capture_end()

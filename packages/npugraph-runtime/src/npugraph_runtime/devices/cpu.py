@@ -163,6 +163,8 @@ class CpuGraph:
     def replay(self) -> None:
         fn = self._replay
         if fn is None:
+            if self._recorder is not None:
+                raise CaptureError("replay() called on a graph that is capturing: end the capture first")
             raise CaptureError(
                 "replay() called on a graph that holds no capture: capture it first "
                 "(with npugraph_runtime.graph(g): ...)"
@@ -186,6 +188,14 @@ class CpuGraph:
 
     def pool(self) -> PoolHandle:
         return self._handle
+
+    def __repr__(self) -> str:
+        state = (
+            "capturing"
+            if self._recorder is not None
+            else f"{self._issued} ops" if self._replay is not None else "empty"
+        )
+        return f"CpuGraph({state}, pool {self._handle.ident})"
 
     def recorded_ops(self) -> int:
         """How many ops a replay issues (views and allocations are not re-issued)."""
