@@ -11,7 +11,7 @@ import torch
 import torch.fx
 from npugraph_backend.config import CompilerConfig, OptionError
 from npugraph_backend.dfx import data_dump
-from npugraph_runtime.manager import make_graphed_callable
+from npugraph_runtime import make_graphed_callable
 from torch.fx.experimental.proxy_tensor import make_fx
 
 

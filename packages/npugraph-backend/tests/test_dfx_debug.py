@@ -12,8 +12,7 @@ import torch.fx
 from npugraph_backend.config import CompilerConfig
 from npugraph_backend.dfx import debug
 from npugraph_passes import PassManager
-from npugraph_runtime import CapturePolicy, InputSpec
-from npugraph_runtime.manager import GraphedCallable
+from npugraph_runtime import CapturePolicy, GraphedCallable, InputSpec
 from torch.fx.experimental.proxy_tensor import make_fx
 
 

@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 from npugraph_backend.dfx import log
-from npugraph_runtime.manager import make_graphed_callable
+from npugraph_runtime import make_graphed_callable
 
 
 def test_replays_emit_no_log_records(caplog: pytest.LogCaptureFixture) -> None:
