@@ -105,7 +105,7 @@ class Decoder:
         """Run the prompt eagerly into the cache; returns the first generated token."""
         self.reset()
         positions = torch.arange(prompt.shape[1], device=self.device)
-        logits = _forward(self.family, self.model, prompt, positions, self.cache)
+        logits = decoder_logits(self.family, self.model, prompt, positions, self.cache)
         return logits[:, -1, :].argmax(dim=-1, keepdim=True)
 
     def position(self, i: int) -> torch.Tensor:
@@ -117,9 +117,10 @@ def _vocab_of(model: nn.Module) -> int:
     return int(emb.num_embeddings)
 
 
-def _forward(
+def decoder_logits(
     family: str, model: nn.Module, ids: torch.Tensor, positions: torch.Tensor, cache: Any
 ) -> torch.Tensor:
+    """Logits of ``ids`` at ``positions``, writing their keys and values into ``cache``."""
     if family == "builtin":
         out: torch.Tensor = model(ids, positions)
         return out
@@ -153,7 +154,7 @@ def _make_step(
     family: str, model: nn.Module, cache: Any
 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     def decode_step(token: torch.Tensor, cache_position: torch.Tensor) -> torch.Tensor:
-        logits = _forward(family, model, token, cache_position, cache)
+        logits = decoder_logits(family, model, token, cache_position, cache)
         return logits[:, -1, :].argmax(dim=-1, keepdim=True)
 
     decode_step.__name__ = f"{family}_decode_step"

@@ -85,31 +85,37 @@ class Workload:
             for fn in self.fns.values():
                 fn()
 
+    def _via_compile_fx(self, tag: str, options: dict[str, Any] | None) -> tuple[Any, Any]:
+        """Our compiler reached through the public compile_fx on the AOT graph: the compiled
+        function and the CompiledGraph it made (whose runner holds the captured graph)."""
+        from npugraph_backend import compile_fx  # what npugraph_ex.compile_fx re-exports
+
+        kept: list[Any] = []
+
+        def fw(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            compiled = compile_fx(gm, example_inputs, options)
+            kept.append(compiled)
+            return compiled
+
+        fn = torch.compile(own_code(self.forward, tag), backend=aot_graph_backend(fw),
+                           fullgraph=True, dynamic=False)
+        with torch.no_grad():
+            for _ in range(3):
+                out = fn(*self.inputs)
+            expected = self.model(*self.inputs)
+        if not torch.allclose(out, expected, rtol=1e-4, atol=1e-5):
+            raise RuntimeError(f"{tag}: the compiled output differs from eager")
+        graphs = getattr(getattr(kept[0], "runner", None), "graphs", {}) if len(kept) == 1 else {}
+        if len(graphs) != 1:
+            raise RuntimeError(f"{tag}: expected one compiled graph with one capture")
+        return fn, kept[0]
+
     def _build_ours(self) -> None:
         if ours_backend() is None:
             self.why_not = ours_missing_reason()
             return
-        try:
-            from npugraph_backend import compile_fx  # what npugraph_ex.compile_fx re-exports
-        except ImportError as exc:
-            self.why_not = f"compile_fx does not import: {exc}"
-            return
-        kept: list[Any] = []
-
-        def fw(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-            compiled = compile_fx(gm, example_inputs)
-            kept.append(compiled)
-            return compiled
-
-        via_fx = torch.compile(own_code(self.forward, "compile_fx"), backend=aot_graph_backend(fw),
-                               fullgraph=True, dynamic=False)
-        with torch.no_grad():
-            for _ in range(3):
-                via_fx(*self.inputs)
-        graphs = getattr(getattr(kept[0], "runner", None), "graphs", {}) if kept else {}
-        if len(graphs) != 1:
-            self.why_not = f"compile_fx kept {len(graphs)} captured graphs, expected 1"
-            return
+        _, compiled = self._via_compile_fx("compile_fx", None)
+        runner = compiled.runner
         ours = compile_with(own_code(self.forward, "ours"), OURS)
         with torch.no_grad():
             for _ in range(3):
@@ -118,8 +124,28 @@ class Workload:
         if not torch.allclose(out, expected, rtol=1e-4, atol=1e-5):
             self.why_not = "the compiled output differs from eager"
             return
+        args = self.traced.args  # the same dynamo-level arguments, in the same order
         self.fns["ours: compiled call"] = self.call(ours)
-        self.fns["ours: bare replay"] = next(iter(graphs.values())).replay
+        self.fns["ours: bare replay"] = next(iter(runner.graphs.values())).replay
+        self.fns["ours: capture manager call"] = lambda: runner(*args)
+        frozen, frozen_compiled = self._via_compile_fx("frozen", {"frozen_parameter": True})
+        self.fns["ours frozen_parameter: compiled call"] = self.call(frozen)
+        self.fns["ours frozen_parameter: bare replay"] = next(
+            iter(frozen_compiled.runner.graphs.values())).replay
+        # dynamo alone: its frame and guards around the Dynamo GraphModule, run as is.
+        seen: dict[str, Any] = {}
+
+        def bare(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            seen["gm"], seen["args"] = gm, list(example_inputs)
+            return gm.forward
+
+        dyn = torch.compile(own_code(self.forward, "dynamo"), backend=bare, fullgraph=True,
+                            dynamic=False)
+        with torch.no_grad():
+            dyn(*self.inputs)
+        gm, gm_args = seen["gm"], seen["args"]
+        self.fns["dynamo only: compiled call"] = self.call(dyn)
+        self.fns["dynamo only: its GraphModule"] = lambda: gm(*gm_args)
         self.has_ours = True
 
     def call(self, compiled: Callable[..., Any]) -> Callable[[], Any]:
@@ -157,8 +183,8 @@ def run_overhead(ctx: BenchContext) -> Section:
                   bar_unit="µs per call")
     w = workload(ctx)
     t = w.times_us(list(w.fns))
-    aot_overhead = t["aot_eager call"] - t["AOT GraphModule"]
     sec.data.update({k + " (µs)": v for k, v in t.items()})
+    aot_overhead = t["aot_eager call"] - t["AOT GraphModule"]
     sec.data.update(aot_eager_overhead_us=aot_overhead, aten_ops=w.traced.ops())
     sec.figures.append(Figure("aot_eager overhead over its GraphModule", aot_overhead, "µs"))
     if not w.has_ours:
@@ -166,14 +192,25 @@ def run_overhead(ctx: BenchContext) -> Section:
                                        f"<= {TARGET_US} µs"))
     else:
         overhead = t["ours: compiled call"] - t["ours: bare replay"]
-        sec.data["ours_overhead_us"] = overhead
+        manager = t["ours: capture manager call"] - t["ours: bare replay"]
+        dynamo = t["dynamo only: compiled call"] - t["dynamo only: its GraphModule"]
+        frozen = t["ours frozen_parameter: compiled call"] - t["ours frozen_parameter: bare replay"]
+        sec.data.update(ours_overhead_us=overhead, capture_manager_overhead_us=manager,
+                        dynamo_overhead_us=dynamo, frozen_parameter_overhead_us=frozen)
         sec.figures.append(Figure.check("ours: overhead over bare replay", overhead, "µs",
                                         f"<= {TARGET_US} µs", overhead <= TARGET_US))
         sec.figures.append(Figure.check("ours overhead - aot_eager overhead",
                                         overhead - aot_overhead, "µs", "< 0",
                                         overhead < aot_overhead))
+        sec.figures.append(Figure("  of which dynamo's frame and guards", dynamo, "µs",
+                                  note="dynamo-only compile: its call minus its GraphModule"))
+        sec.figures.append(Figure("  of which the capture manager", manager, "µs",
+                                  note="GraphedCallable call minus bare replay"))
+        sec.figures.append(Figure("ours with frozen_parameter=True: overhead", frozen, "µs",
+                                  note="no address checks of the 100 parameters"))
         sec.figures.append(Figure("ours: compiled call / eager",
                                   t["ours: compiled call"] / t["eager"], "x"))
+        t = {k: v for k, v in t.items() if "frozen" not in k}
     sec.bars["per call"] = t
     return sec
 

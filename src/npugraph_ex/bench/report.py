@@ -152,8 +152,6 @@ def plot(path: Path, sections: list[Section], title: str) -> bool:
     except ImportError:
         return False
     groups = [(s, name, bars) for s in sections for name, bars in s.bars.items() if bars]
-    if not groups:
-        groups = []
     n = max(1, len(groups))
     cols = 2 if n > 1 else 1
     rows = (n + cols - 1) // cols
@@ -170,7 +168,7 @@ def plot(path: Path, sections: list[Section], title: str) -> bool:
         ax.set_xlabel(s.bar_unit, fontsize=8)
         ax.tick_params(labelsize=7)
         for y, v in enumerate(values):
-            ax.text(v, y, f" {v:.3g}", va="center", fontsize=7)
+            ax.text(v, y, f" {v:,.0f}" if abs(v) >= 100 else f" {v:.3g}", va="center", fontsize=7)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
