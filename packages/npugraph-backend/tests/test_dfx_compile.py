@@ -34,7 +34,7 @@ _DEBUG_RUN = textwrap.dedent(
 
     args = [torch.randn(4, 4), torch.randn(4, 4)]
     gm = make_fx(f, tracing_mode="fake")(*args)
-    fn = compile_fx(gm, args, {"capture_limit": 1})
+    fn = compile_fx(gm, args, {"force_eager": True})
     torch.testing.assert_close(fn(list(args)), f(*args))
     """
 )
@@ -88,6 +88,8 @@ def test_debug_dumps_of_compile_and_compile_fx(tmp_path: Path) -> None:
     reasons = [json.loads(p.read_text())["reason"] for p in captures]
     assert reasons == ["new_key", "force_recapture", "force_recapture"]
     assert log.count("(force_recapture)") == 2
+    assert "runs eagerly (force_eager)" in log  # the compile_fx graph falls back, logged
+    assert not list((root / "model__1").glob("graph_*.json"))
     spec = json.loads(captures[0].read_text())
     assert "user" in [i["kind"] for i in spec["inputs"]] and spec["op_count"] > 0
 
