@@ -135,3 +135,18 @@ def test_generated_cats_keep_results_and_only_cat_changes(kinds: list[str], rows
     for target, n in before.items():
         if target is not aten.cat.default:
             assert normal[target] == n
+
+
+def test_inputs_on_another_stream_keep_the_cat() -> None:
+    import npugraph_runtime  # noqa: F401  (registers torch.ops.npugraph_ex)
+
+    gm = make_fx(lambda x, y: torch.cat([x.sin(), y.cos()]), tracing_mode="fake")(torch.randn(2, 4), torch.randn(2, 4))
+    graph = gm.graph
+    sin = next(n for n in graph.nodes if n.target is aten.sin.default)
+    with graph.inserting_before(sin):
+        graph.call_function(torch.ops.npugraph_ex.scope_enter.default, (["_user_stream_label"], ["side"]))
+    with graph.inserting_after(sin):
+        graph.call_function(torch.ops.npugraph_ex.scope_exit.default, ())
+    before = _counts(gm)
+    remove_cat_ops(gm, [], None)
+    assert _counts(gm) == before

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from npugraph_passes import find_unsafe_nodes
 from npugraph_passes._compat import compiled_inference_graphs
 from npugraph_passes.lint import META_KEY, capture_safety_lint
@@ -87,3 +89,38 @@ def test_cpu_computation_inside_a_cuda_graph_is_named() -> None:
 def test_cuda_graph_without_host_work_is_clean() -> None:
     gm = make_fx(lambda x: (x.relu() * 2,), tracing_mode="fake")(torch.randn(4, device="cuda"))
     assert find_unsafe_nodes(gm) == []
+
+
+SAFE = {
+    "relu": torch.relu,
+    "add": lambda t: t + 1,
+    "mm": lambda t: t @ torch.ones(t.shape[-1], t.shape[-1]),
+    "softmax": lambda t: t.softmax(-1),
+    "index": lambda t: t[torch.tensor([0])].expand(t.shape) * 1,
+}
+UNSAFE = {
+    "item": ("aten._local_scalar_dense.default", lambda t: t * t.max().item()),
+    "nonzero": ("aten.nonzero.default", lambda t: t + t.nonzero().sum()),
+    "randn": ("aten.randn.default", lambda t: t + torch.randn(t.shape)),
+}
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    chain=st.lists(st.sampled_from(sorted(SAFE)), min_size=1, max_size=5),
+    bad=st.one_of(st.none(), st.sampled_from(sorted(UNSAFE))),
+    where=st.integers(0, 5),
+)
+def test_generated_graphs_flag_exactly_the_unsafe_op(chain: list[str], bad: str | None, where: int) -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        for i, name in enumerate(chain):
+            if bad is not None and i == min(where, len(chain) - 1):
+                x = UNSAFE[bad][1](x)
+            x = SAFE[name](x)
+        return x
+
+    gm = make_fx(fn, tracing_mode="symbolic")(torch.randn(3, 3))
+    before = [n.format_node() for n in gm.graph.nodes]
+    found = [u.target for u in find_unsafe_nodes(gm)]
+    assert found == ([] if bad is None else [UNSAFE[bad][0]])
+    assert [n.format_node() for n in gm.graph.nodes] == before

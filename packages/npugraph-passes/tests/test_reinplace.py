@@ -298,3 +298,18 @@ def test_returned_update_never_becomes_the_input_itself() -> None:
     (out,) = gm(*args)
     assert out.untyped_storage().data_ptr() != args[0].untyped_storage().data_ptr()
     torch.testing.assert_close(out, args[0])
+
+
+def test_several_updates_of_one_input_become_in_place_without_inplace_pass() -> None:
+    def step(cache: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor]:
+        cache.index_copy_(0, pos, new)
+        cache.index_copy_(0, pos + 1, new * 2)
+        cache.mul_(0.5)
+        return (cache.sum(),)
+
+    inputs = [torch.randn(6, 4), torch.tensor([0, 2]), torch.randn(2, 4)]
+    gm, _ = _optimise(step, inputs, input_inplace_pass)
+    counts = _counts(gm)
+    assert counts[aten.index_copy_.default] == 2
+    assert counts[aten.mul_.Tensor] == 1
+    assert _input_copies(gm) == 0

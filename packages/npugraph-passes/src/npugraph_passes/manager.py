@@ -195,10 +195,15 @@ class PassManager:
             except PassError:
                 raise
             except Exception as exc:
+                if graph_pass.name in BUILTIN_OPTIONS:
+                    hint = f"set the option {graph_pass.name}=False to skip it, and report the bug"
+                elif graph_pass.name in USER_PASS_OPTIONS:
+                    hint = f"fix the callable given as {graph_pass.name}"
+                else:
+                    hint = "this is a bug in npugraph-passes; please report it"
                 raise PassError(
                     graph_pass.name,
-                    f"graph pass {graph_pass.name!r} raised {type(exc).__name__}: {exc} "
-                    f"(turn the option {graph_pass.name!r} off or fix the pass)",
+                    f"graph pass {graph_pass.name!r} raised {type(exc).__name__}: {exc} ({hint})",
                 ) from exc
             seconds = time.perf_counter() - start
             changed = _fingerprint(gm.graph) != before

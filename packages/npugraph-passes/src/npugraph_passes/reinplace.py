@@ -334,6 +334,20 @@ def _input_out_variant(src: torch.fx.Node, dst: torch.fx.Node, copy: torch.fx.No
     return True
 
 
+def _update_chain(src: torch.fx.Node, dst: torch.fx.Node) -> list[torch.fx.Node]:
+    """``[op_1, ..., op_k = src]`` when ``src = op_k(...op_1(dst, ...)...)`` and every op but the
+    last feeds only the next one (several updates of one input); [] otherwise."""
+    chain = [src]
+    node = src
+    while node.args and node.args[0] is not dst:
+        prev = node.args[0]
+        if not isinstance(prev, torch.fx.Node) or prev.op != "call_function" or len(prev.users) != 1:
+            return []
+        chain.append(prev)
+        node = prev
+    return chain[::-1] if node.args else []
+
+
 def input_inplace_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> None:
     """Turns ``copy_(input, op(input, ...))`` epilogues into in-place updates of the input (and
     ``copy_(input, f(...))`` into ``f(..., out=input)``), so a mutated input is written where it
@@ -352,6 +366,11 @@ def input_inplace_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], 
             src.replace_all_uses_with(x)
             an.erase(src)
             src = x
-        done = _input_in_place(src, dst, copy, an) or _input_out_variant(src, dst, copy, an)
+        chain = _update_chain(src, dst)
+        if chain:
+            # op_k(...op_1(dst)) + copy_(dst, op_k): each op in turn becomes op_(dst), first one first.
+            done = all(_input_in_place(node, dst, copy, an) for node in chain)
+        else:
+            done = _input_out_variant(src, dst, copy, an)
         if done and copy.args[1] is dst and not copy.users:
             graph.erase_node(copy)
