@@ -127,6 +127,22 @@ def test_new_parameter_object_recaptures(layer: torch.nn.Linear) -> None:
     assert [e.reason for e in fn.events] == ["new_key", "static_input_change"]
 
 
+def test_a_different_core_limit_recaptures(layer: torch.nn.Linear) -> None:
+    fn = ngr.make_graphed_callable(linear_relu, (torch.randn(4, 16), layer.weight, layer.bias),
+                                   static_argnums=(1, 2), name="cores")
+    with torch.no_grad():
+        for limited in (False, False, True, True, False):
+            x = torch.randn(4, 16)
+            if limited:
+                with ngr.limit_core_num(1, 0, device="cpu"):
+                    got = fn(x, layer.weight, layer.bias)
+            else:
+                got = fn(x, layer.weight, layer.bias)
+            torch.testing.assert_close(got, linear_relu(x, layer.weight, layer.bias))
+    assert [e.reason for e in fn.events] == ["new_key"] + ["core_limit_change"] * 2
+    assert counters()["recapture_due_to_core_limit_change_cores"] == 2
+
+
 def test_static_addresses_unchecked_when_the_policy_says_frozen(layer: torch.nn.Linear) -> None:
     fn = ngr.make_graphed_callable(linear_relu, (torch.randn(4, 16), layer.weight, layer.bias),
                                    static_argnums=(1, 2), check_static_addresses=False)

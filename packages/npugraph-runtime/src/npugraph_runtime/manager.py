@@ -15,8 +15,10 @@ from typing import Any
 import torch
 
 from npugraph_runtime import _compat
+from npugraph_runtime.core_limit import current_core_limit
 from npugraph_runtime.counters import (
     CAPTURE_LIMIT,
+    CORE_LIMIT_CHANGE,
     FORCE_EAGER,
     FORCE_RECAPTURE,
     MUTATED_INPUT_CHANGE,
@@ -43,7 +45,7 @@ _TENSOR_KINDS = (SlotKind.STATIC, SlotKind.MUTATED, SlotKind.USER)
 class _Capture:
     """One captured graph and what its replay closure needs kept alive."""
 
-    __slots__ = ("addresses", "args", "buffers", "graph", "key", "outputs", "replay")
+    __slots__ = ("addresses", "args", "buffers", "core_limit", "graph", "key", "outputs", "replay")
 
     def __init__(
         self, key: Key, graph: DeviceGraph, args: list[object], buffers: list[torch.Tensor]
@@ -56,6 +58,7 @@ class _Capture:
         self.addresses = {
             i: a.data_ptr() for i, a in enumerate(args) if isinstance(a, torch.Tensor)
         }
+        self.core_limit = current_core_limit()
         self.outputs: object = None
         self.replay: Callable[[Args], object] = _unset
 
@@ -127,8 +130,9 @@ class GraphedCallable:
 
     def _replay_closure(self, cap: _Capture) -> Callable[[Args], object]:
         key = cap.key
-        recapture = self._recapture_moved
+        recapture = self._recapture_changed
         replay = cap.graph.replay
+        core_limit, captured_limit = current_core_limit, cap.core_limit
         # Inputs the graph uses in place: their addresses at capture, checked in one C++ call
         # where torch has one, else in one pass of data_ptr (~55 ns a tensor).
         watched = self._watched()
@@ -146,6 +150,8 @@ class GraphedCallable:
         data_ptr = _data_ptr
 
         def run(args: Args) -> object:
+            if core_limit() != captured_limit:
+                return recapture(key, args)
             if all_equal is not None:
                 if not all_equal(list(args), by_slot, watched):
                     return recapture(key, args)
@@ -166,9 +172,11 @@ class GraphedCallable:
             return sorted(self._mutated + self._static)
         return list(self._mutated)
 
-    def _recapture_moved(self, key: Key, args: Args) -> object:
-        captured = self._captures[key].addresses
-        mutated = any(_data_ptr(args[i]) != captured[i] for i in self._mutated)  # type: ignore[arg-type]
+    def _recapture_changed(self, key: Key, args: Args) -> object:
+        cap = self._captures[key]
+        if current_core_limit() != cap.core_limit:
+            return self._capture(key, args, CORE_LIMIT_CHANGE)
+        mutated = any(_data_ptr(args[i]) != cap.addresses[i] for i in self._mutated)  # type: ignore[arg-type]
         return self._capture(key, args, MUTATED_INPUT_CHANGE if mutated else STATIC_INPUT_CHANGE)
 
     # ---- capture ------------------------------------------------------------------------
