@@ -175,8 +175,9 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
             st = t.untyped_storage()
         except (RuntimeError, NotImplementedError):
             raise CaptureError(
-                f"a {t.layout} tensor cannot be captured by the cpu graph: it records dense "
-                "(strided) tensors only; convert with .to_dense() outside the captured region"
+                f"a {type(t).__name__} with layout {t.layout} cannot be captured by the cpu "
+                "graph: it records plain dense (strided) tensors only; convert it (.to_dense(), "
+                ".full_tensor()) outside the captured region"
             ) from None
         si = self._storage_ix.get(id(st))
         if si is None:
