@@ -8,6 +8,7 @@ Everything else is decided at capture time."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -397,6 +398,7 @@ def _same_view(a: torch.Tensor, b: object) -> bool:
     )
 
 
+@functools.cache
 def _checked_ptrs_equal() -> Callable[[list[object], list[int | None], list[int]], bool] | None:
     """torch's C++ address check where it exists and answers as we read it; None otherwise."""
     equal = _compat.data_ptrs_at_indices_equal()
