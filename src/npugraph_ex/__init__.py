@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from npugraph_backend import CompilerConfig, OptionError, compile_fx
+from npugraph_runtime import graph_pool_handle
 
 from npugraph_ex import scope
 from npugraph_ex.__about__ import __version__
@@ -35,7 +36,6 @@ _LAZY = {
     # The compile cache is imported on first use: it is not needed to compile or run.
     "inference": ("npugraph_ex.inference", None),
     "register_replacement": ("npugraph_passes", "register_replacement"),
-    "graph_pool_handle": ("npugraph_runtime", "graph_pool_handle"),
 }
 
 
