@@ -421,3 +421,25 @@ def test_sparse_tensor_is_a_capture_error() -> None:
     g = ngr.Graph("cpu")
     with pytest.raises(ngr.CaptureError, match="sparse"), ngr.graph(g):
         sparse * 2
+
+
+def test_capture_end_from_another_thread_is_refused() -> None:
+    x = torch.randn(3)
+    g = ngr.Graph("cpu")
+    g.capture_begin()
+    y = x + 1
+    errors: list[BaseException] = []
+
+    def end_elsewhere() -> None:
+        try:
+            g.capture_end()
+        except ngr.CaptureError as e:
+            errors.append(e)
+
+    worker = threading.Thread(target=end_elsewhere)
+    worker.start()
+    worker.join()
+    assert len(errors) == 1 and "another thread" in str(errors[0])
+    g.capture_end()  # still capturing here: ends normally
+    g.replay()
+    torch.testing.assert_close(y, x + 1)

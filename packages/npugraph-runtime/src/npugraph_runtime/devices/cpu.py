@@ -125,6 +125,11 @@ class CpuGraph:
         recorder = self._recorder
         if recorder is None:
             raise CaptureError("capture_end() called without capture_begin()")
+        if _CAPTURING.graph is not self:
+            raise CaptureError(
+                "capture_end() called from another thread than the one that began the capture: "
+                "dispatch modes are per thread, so end it where it began"
+            )
         try:
             recorder.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         finally:
