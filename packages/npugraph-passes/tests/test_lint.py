@@ -6,7 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from npugraph_passes import find_unsafe_nodes
+from npugraph_passes import _compat, find_unsafe_nodes
 from npugraph_passes._compat import compiled_inference_graphs
 from npugraph_passes.lint import META_KEY, capture_safety_lint
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -72,23 +72,47 @@ def test_safe_cpu_graph_reports_nothing() -> None:
     assert _reasons(lambda x, w: (torch.relu(x @ w).softmax(-1),), torch.randn(2, 3), torch.randn(3, 3)) == set()
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-def test_cpu_computation_inside_a_cuda_graph_is_named() -> None:
+def _fake_cuda_graph(fn, *shapes_and_devices):  # type: ignore[no-untyped-def]
+    """Traces ``fn`` on fake CUDA tensors: the device checks need a CUDA graph and this machine
+    has no GPU (fake tensors stand in for the hardware; no kernel runs)."""
+    mode = _compat.fake_tensor_mode()
+    with mode:
+        inputs = [torch.empty(shape, device=device) for shape, device in shapes_and_devices]
+        return make_fx(fn, tracing_mode="real")(*inputs)
+
+
+def test_device_to_host_copy_inside_a_cuda_graph_is_a_host_sync() -> None:
     def fn(x: torch.Tensor) -> tuple[torch.Tensor]:
         host = x.cpu() * 2
         return (host.to(x.device) + x,)
 
-    gm = make_fx(fn, tracing_mode="fake")(torch.randn(4, device="cuda"))
-    reasons = {u.reason for u in find_unsafe_nodes(gm)}
-    assert "CPU tensor inside a cuda graph" in reasons
+    gm = _fake_cuda_graph(fn, ((4,), "cuda"))
+    unsafe = find_unsafe_nodes(gm)
+    assert [(u.target, u.reason.split(" (")[0]) for u in unsafe] == [("aten._to_copy.default", "host sync")]
+
+
+def test_cpu_input_of_a_cuda_graph_is_named_and_cpu_constants_are_not() -> None:
+    def fn(x: torch.Tensor, host: torch.Tensor) -> tuple[torch.Tensor]:
+        return (x * torch.tensor(2.0) + host.to(x.device),)
+
+    gm = _fake_cuda_graph(fn, ((4,), "cuda"), ((4,), "cpu"))
+    unsafe = find_unsafe_nodes(gm)
+    assert [(u.name, u.reason) for u in unsafe] == [("host_1", "CPU tensor inside a cuda graph")]
+
+
+def test_cuda_graph_without_host_work_is_clean() -> None:
+    gm = _fake_cuda_graph(lambda x: (x.relu() * 2,), ((4,), "cuda"))
+    assert find_unsafe_nodes(gm) == []
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-def test_cuda_graph_without_host_work_is_clean() -> None:
-    gm = make_fx(lambda x: (x.relu() * 2,), tracing_mode="fake")(torch.randn(4, device="cuda"))
-    assert find_unsafe_nodes(gm) == []
+def test_cpu_input_of_a_real_cuda_graph_is_named() -> None:
+    def fn(x: torch.Tensor, host: torch.Tensor) -> tuple[torch.Tensor]:
+        return (x + host.to(x.device),)
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(4, device="cuda"), torch.randn(4))
+    assert [u.reason for u in find_unsafe_nodes(gm)] == ["CPU tensor inside a cuda graph"]
 
 
 SAFE = {

@@ -139,25 +139,53 @@ def _op_reason(node: torch.fx.Node) -> str | None:
     return None
 
 
+def _on_cpu(value: object) -> bool:
+    return any(t.device.type == "cpu" for t in _tensors(value))
+
+
+def _on_device(value: object) -> bool:
+    return any(t.device.type not in ("cpu", "meta") for t in _tensors(value))
+
+
+def _is_marker(node: torch.fx.Node) -> bool:
+    target = node.target
+    return isinstance(target, OpOverload) and target.namespace == "npugraph_ex"
+
+
+def _device_reason(node: torch.fx.Node, device: torch.device, host_varying: set[torch.fx.Node]) -> str | None:
+    """A CPU tensor in a device graph is unsafe when it is copied from the device (a sync) or
+    when its value changes from call to call (it would be read once, at capture). CPU constants
+    (``torch.tensor(2.0)`` in the model) are read at capture and never change: they are fine."""
+    if _is_marker(node):
+        return None
+    inputs = node.all_input_nodes
+    if node.op == "placeholder":
+        if _on_cpu(node.meta.get("val")) and any(not _is_marker(u) for u in node.users):
+            host_varying.add(node)
+            return _CPU.format(device=device.type)
+        return None
+    if not _on_cpu(node.meta.get("val")):
+        return None
+    if any(_on_device(a.meta.get("val")) for a in inputs):
+        return _HOST_SYNC
+    if any(a in host_varying for a in inputs):
+        host_varying.add(node)
+        return _CPU.format(device=device.type)
+    return None
+
+
 def find_unsafe_nodes(gm: torch.fx.GraphModule) -> list[UnsafeNode]:
     """Every node of ``gm`` that cannot be captured, in graph order. Needs ``node.meta["val"]``
     for the device checks; op-level checks (host sync, data-dependent shape, RNG) need none."""
     device = _graph_device(gm.graph)
+    host_varying: set[torch.fx.Node] = set()
     found: list[UnsafeNode] = []
     for node in gm.graph.nodes:
         reason: str | None = None
         if node.op == "call_function":
             reason = _op_reason(node)
-            if reason is None and device is not None:
-                outs = _tensors(node.meta.get("val"))
-                if outs and any(t.device.type == "cpu" for t in outs):
-                    reason = _CPU.format(device=device.type)
-        elif node.op == "placeholder" and device is not None:
-            val = node.meta.get("val")
-            if isinstance(val, torch.Tensor) and val.device.type == "cpu" and any(
-                u.op == "call_function" for u in node.users
-            ):
-                reason = _CPU.format(device=device.type)
+        if reason is None and device is not None and node.op in ("call_function", "placeholder"):
+            reason = _device_reason(node, device, host_varying)
         if reason is not None:
             found.append(UnsafeNode(node.name, str(node.target), reason, user_source_line(node)))
     return found
