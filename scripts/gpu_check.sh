@@ -58,9 +58,9 @@ print("npugraph_ex", npugraph_ex.__version__, "backends:", "npugraph_ex" in torc
 PYEOF
 cat "$OUT/env.txt"
 
-step "pytest -m cuda" 200 cuda-tests.log "$PY" -m pytest -m cuda -q -p no:cacheprovider -o addopts="--import-mode=importlib -ra"
-step "demo (cuda)" 90 demo.log "$PY" -m npugraph_ex.cli demo --device cuda --out "$OUT" --no-progress
-step "bench (cuda)" 330 bench.log "$PY" -m npugraph_ex.cli bench --device cuda --out "$OUT" --no-progress --budget 240 --inductor-budget 90 --only c,a,b,e,g,f
+step "pytest -m cuda" 120 cuda-tests.log "$PY" -m pytest -m cuda -q -p no:cacheprovider -o addopts="--import-mode=importlib -ra"
+step "demo (cuda)" 60 demo.log "$PY" -m npugraph_ex.cli demo --device cuda --out "$OUT" --no-progress
+step "bench (cuda)" 360 bench.log "$PY" -m npugraph_ex.cli bench --device cuda --out "$OUT" --no-progress --budget 300 --inductor-budget 60 --only a,g,e,b,c,f
 rm -f "$OUT/demo.log"  # its output is in demo.json; $OUT returns at most 8 files
 echo "gpu_check: $([ $status -eq 0 ] && echo ok || echo 'a step failed') — results in $OUT"
 exit $status
