@@ -4,6 +4,9 @@ JSONs. (The TORCH_COMPILE_DEBUG=1 run of a user program is in test_dfx_compile.p
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -102,3 +105,23 @@ def test_one_json_per_capture_with_key_reason_inputs_pool_and_op_count(tmp_path:
         assert [i["kind"] for i in info["inputs"]] == ["user", "static"]
         assert info["op_count"] > 0
         assert info["pool"]["device"] == "cpu" and info["pool_bytes"] >= 0
+
+
+def test_run_dir_names_the_rank_when_distributed_is_initialised(tmp_path: Path) -> None:
+    code = (
+        "import torch.distributed as dist\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path / 'store'}', rank=0, world_size=1)\n"
+        "from npugraph_backend.dfx.debug import DebugSession\n"
+        "print(DebugSession.begin(None).model_dir)\n"
+        "dist.destroy_process_group()\n"
+    )
+    env = {**os.environ, "TORCH_COMPILE_DEBUG": "1"}
+    env.pop("TORCH_COMPILE_DEBUG_DIR", None)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    model_dir = Path(proc.stdout.strip())
+    assert model_dir.name == "model__0"
+    run_dir = model_dir.parent.parent
+    assert run_dir.parent == tmp_path / "torch_compile_debug"
+    assert run_dir.name.startswith("run_") and run_dir.name.endswith("-rank_0")
