@@ -144,3 +144,22 @@ def test_generated_products_with_bias(m: int, k: int, n: int, bias: str, bias_fi
     else:
         assert after[fused] == 1
         assert sum(after.values()) == sum(before.values()) - 1
+
+
+def test_registering_a_replacement_changes_the_pass_manager_identity() -> None:
+    from types import SimpleNamespace
+
+    from npugraph_passes import PassManager
+
+    before = PassManager.from_config(SimpleNamespace()).identity()
+    off = PassManager.from_config(SimpleNamespace(pattern_fusion_pass=False)).identity()
+
+    def search(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x) * 3.0
+
+    def replace(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x).mul(3.0)
+
+    register_replacement(search, replace, [torch.empty(4)])
+    assert PassManager.from_config(SimpleNamespace()).identity() != before
+    assert PassManager.from_config(SimpleNamespace(pattern_fusion_pass=False)).identity() == off

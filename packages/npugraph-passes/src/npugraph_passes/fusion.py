@@ -20,9 +20,11 @@ import torch.fx
 
 from npugraph_passes import _compat
 from npugraph_passes.cleanup import dead_code_elimination
+from npugraph_passes.identity import combine, source_digest
 from npugraph_passes.stream_safety import StreamMap
 
 _lock = threading.Lock()
+_user_rules: list[str] = []
 _state = threading.local()
 
 
@@ -68,6 +70,18 @@ def register_replacement(
     ensure_builtin_patterns()
     _register(search_fn, replace_fn, example_inputs, trace_fn, extra_check, search_fn_pattern,
               scalar_workaround, skip_duplicates)
+    digest = combine(*(source_digest(f) for f in (search_fn, replace_fn, extra_check)),
+                     repr(sorted((scalar_workaround or {}).items())))
+    with _lock:
+        if digest not in _user_rules:
+            _user_rules.append(digest)
+
+
+def user_rule_digests() -> tuple[str, ...]:
+    """Digests of the rules registered through :func:`register_replacement`, in order: part of
+    the pattern pass's identity, so a cache never reuses a graph fused without them."""
+    with _lock:
+        return tuple(_user_rules)
 
 
 def _register(

@@ -158,7 +158,12 @@ class PassManager:
             passes.append(GraphPass(pre, "post_grad_custom_pre_pass"))
         for option in BUILTIN_OPTIONS:
             if _check_bool(option, getattr(config, option, True)):
-                passes.append(GraphPass(_builtin_pass(option), option, {option: True}, builtin=True))
+                reads: dict[str, object] = {option: True}
+                if option == "pattern_fusion_pass":
+                    from npugraph_passes.fusion import user_rule_digests
+
+                    reads["registered_replacements"] = user_rule_digests()
+                passes.append(GraphPass(_builtin_pass(option), option, reads, builtin=True))
         post = _check_user_pass("post_grad_custom_post_pass", getattr(config, "post_grad_custom_post_pass", None))
         if post is not None:
             passes.append(GraphPass(post, "post_grad_custom_post_pass"))
