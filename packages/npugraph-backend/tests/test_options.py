@@ -36,6 +36,16 @@ def test_default_options_capture_once_and_replay_with_eager_results(counter: Cal
     assert counter("captured_") == 1
 
 
+def test_inference_mode_is_captured_like_no_grad(counter: Callable[[str], int]) -> None:
+    model = TwoLayer()
+    f = compiled(model)
+    with torch.inference_mode():
+        for _ in range(3):
+            x = torch.randn(2, 8)
+            torch.testing.assert_close(f(x), model(x))
+    assert counter("capture_due_to_new_key_") == 1
+
+
 @torch.no_grad()
 def test_capture_limit_falls_back_to_eager_with_exactly_one_warning(counter: Callable[[str], int]) -> None:
     f = compiled(lambda x: x * 2 + 1, dynamic=True, capture_limit=2)
