@@ -12,7 +12,7 @@ commands:
   doctor            torch, torch_npu and transformers versions, devices and their capabilities
   demo              greedy decoding of a small Llama: eager, aot_eager and npugraph_ex side by side
   bench             the benchmark suite (bench.json and bench.png)
-  cache show PATH   a compile cache entry in readable form
+  cache show|ls|clear  the compile cache (show PATH: an entry in readable form)
 
 `npugraph-ex COMMAND --help` for a command's options."""
 

@@ -157,8 +157,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"  ours:  {ours['tokens']}")
     print(f"captures: {ours['captures']}")
     memory = ours["graph_bytes"]
-    print("memory held by the graphs: "
-          + (f"{memory / 2**20:.2f} MiB ({pool.how})" if memory is not None else "not measured"))
+    size = (f"{memory / 2**20:.2f} MiB" if memory is not None and memory >= 2**20
+            else f"{(memory or 0) / 2**10:.1f} KiB")
+    print(f"memory held by the graphs: {size} ({pool.how})" if memory is not None
+          else "memory held by the graphs: not measured")
     print(f"\nper-token latency (median of steps after the first two; clock: {clock_name}):")
     for name, ms, speedup in rows:
         label = "npugraph_ex" if name == OURS else name
