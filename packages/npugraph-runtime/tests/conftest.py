@@ -14,6 +14,23 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(
+    params=[
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.cuda,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
+            ],
+        ),
+    ]
+)
+def device(request: pytest.FixtureRequest) -> str:
+    """The behaviours every device graph shares run on the CPU and, where present, on CUDA."""
+    return str(request.param)
+
+
 def mlp(sizes: tuple[int, ...] = (32, 64, 64, 16)) -> torch.nn.Module:
     """A small ReLU MLP in eval mode."""
     layers: list[torch.nn.Module] = []

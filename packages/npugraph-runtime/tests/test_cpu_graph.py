@@ -22,26 +22,38 @@ def capture(fn: Callable[..., Any], *args: Any, **graph_kwargs: Any) -> tuple[An
     return g, out
 
 
-def test_mlp_replay_matches_eager_after_new_inputs(small_mlp: torch.nn.Module) -> None:
-    x = torch.randn(4, 32)
-    g, y = capture(small_mlp, x)
+def capture_on(device: str, fn: Callable[..., Any], *args: Any) -> tuple[Any, Any]:
+    """Capture on ``device`` after one eager warm-up run (CUDA initialises its libraries lazily)."""
+    with torch.no_grad():
+        fn(*args)
+        g = ngr.Graph(device)
+        with ngr.graph(g):
+            out = fn(*args)
+    return g, out
+
+
+def test_mlp_replay_matches_eager_after_new_inputs(small_mlp: torch.nn.Module, device: str) -> None:
+    model = small_mlp.to(device)
+    x = torch.randn(4, 32, device=device)
+    g, y = capture_on(device, model, x)
     for _ in range(3):
-        x.copy_(torch.randn(4, 32))
+        x.copy_(torch.randn(4, 32, device=device))
         g.replay()
         with torch.no_grad():
-            torch.testing.assert_close(y, small_mlp(x), rtol=0, atol=0)
+            torch.testing.assert_close(y, model(x))
 
 
-def test_outputs_keep_their_address_across_replays(small_mlp: torch.nn.Module) -> None:
-    x = torch.randn(2, 32)
-    g, y = capture(small_mlp, x)
+def test_outputs_keep_their_address_across_replays(small_mlp: torch.nn.Module, device: str) -> None:
+    model = small_mlp.to(device)
+    x = torch.randn(2, 32, device=device)
+    g, y = capture_on(device, model, x)
     ptr = y.data_ptr()
     for _ in range(3):
         x.normal_()
         g.replay()
         assert y.data_ptr() == ptr
     with torch.no_grad():
-        torch.testing.assert_close(y, small_mlp(x), rtol=0, atol=0)
+        torch.testing.assert_close(y, model(x))
 
 
 def test_capture_with_grad_enabled_replays_like_eager(small_mlp: torch.nn.Module) -> None:
@@ -71,11 +83,13 @@ def test_replay_reuses_recorded_views_and_multi_output_ops() -> None:
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-def test_in_place_side_effect_applies_once_per_replay_not_at_capture() -> None:
-    counter = torch.zeros(3)
-    step = torch.tensor([1.0, 2.0, 3.0])
-    g, _ = capture(lambda: counter.add_(step))
-    torch.testing.assert_close(counter, torch.zeros(3))
+def test_in_place_side_effect_applies_once_per_replay_not_at_capture(device: str) -> None:
+    counter = torch.zeros(3, device=device)
+    step = torch.tensor([1.0, 2.0, 3.0], device=device)
+    g = ngr.Graph(device)
+    with ngr.graph(g):
+        counter.add_(step)
+    torch.testing.assert_close(counter, torch.zeros(3, device=device))
     g.replay()
     g.replay()
     torch.testing.assert_close(counter, 2 * step)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import npugraph_runtime as ngr
 import pytest
 import torch
@@ -32,32 +35,41 @@ class TransformerBlock(torch.nn.Module):
         return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.ln2(x))))
 
 
-def test_transformer_block_replay_matches_eager() -> None:
-    model = torch.nn.Sequential(TransformerBlock(), TransformerBlock()).eval()
-    x = torch.randn(2, 6, 32)
-    g = ngr.Graph("cpu")
-    with torch.no_grad(), ngr.graph(g):
-        y = model(x)
+def _capture(device: str, fn: Callable[[], object]) -> tuple[Any, Any]:
+    """Capture ``fn`` on ``device`` after one eager warm-up run (CUDA initialises lazily)."""
+    with torch.no_grad():
+        fn()
+        g = ngr.Graph(device)
+        with ngr.graph(g):
+            out = fn()
+    return g, out
+
+
+def test_transformer_block_replay_matches_eager(device: str) -> None:
+    model = torch.nn.Sequential(TransformerBlock(), TransformerBlock()).eval().to(device)
+    x = torch.randn(2, 6, 32, device=device)
+    g, y = _capture(device, lambda: model(x))
     for _ in range(2):
-        x.copy_(torch.randn(2, 6, 32))
+        x.copy_(torch.randn(2, 6, 32, device=device))
         g.replay()
         with torch.no_grad():
-            torch.testing.assert_close(y, model(x), rtol=0, atol=0)
+            torch.testing.assert_close(y, model(x))
 
 
-def test_sdpa_attention_replay_matches_eager() -> None:
-    q, k, v = (torch.randn(1, 4, 5, 8) for _ in range(3))
-    g = ngr.Graph("cpu")
-    with ngr.graph(g):
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+def test_sdpa_attention_replay_matches_eager(device: str) -> None:
+    q, k, v = (torch.randn(1, 4, 5, 8, device=device) for _ in range(3))
+
+    def attention() -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    g, out = _capture(device, attention)
     for t in (q, k, v):
         t.normal_()
     g.replay()
-    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch.testing.assert_close(out, attention())
 
 
-def test_llama_decode_step_with_static_cache_matches_eager() -> None:
+def test_llama_decode_step_with_static_cache_matches_eager(device: str) -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         hidden_size=64,
@@ -68,20 +80,25 @@ def test_llama_decode_step_with_static_cache_matches_eager() -> None:
         vocab_size=128,
         max_position_embeddings=64,
     )
-    model = transformers.LlamaForCausalLM(config).eval()
-    prompt = torch.randint(0, 128, (1, 4))
+    model = transformers.LlamaForCausalLM(config).eval().to(device)
+    prompt = torch.randint(0, 128, (1, 4), device=device)
 
-    def prefilled_cache() -> object:
+    def prefilled_cache() -> Any:
         # the StaticCache allocates its tensors on first use: that must happen before capture
         cache = transformers.StaticCache(config=config, max_cache_len=16)
         with torch.no_grad():
-            model(prompt, past_key_values=cache, cache_position=torch.arange(4), use_cache=True)
+            model(
+                prompt,
+                past_key_values=cache,
+                cache_position=torch.arange(4, device=device),
+                use_cache=True,
+            )
         return cache
 
     cache, eager_cache = prefilled_cache(), prefilled_cache()
-    ids = torch.zeros(1, 1, dtype=torch.long)
-    pos = torch.full((1,), 4, dtype=torch.long)
-    g = ngr.Graph("cpu")
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    pos = torch.full((1,), 4, dtype=torch.long, device=device)
+    g = ngr.Graph(device)
     with torch.no_grad(), ngr.graph(g):
         logits = model(
             ids, past_key_values=cache, cache_position=pos, position_ids=pos[None], use_cache=True
@@ -101,6 +118,6 @@ def test_llama_decode_step_with_static_cache_matches_eager() -> None:
             ).logits
         torch.testing.assert_close(logits, ref)
         assert logits.data_ptr() == ptr
-    for layer, eager_layer in zip(cache.layers, eager_cache.layers, strict=True):  # type: ignore[attr-defined]
+    for layer, eager_layer in zip(cache.layers, eager_cache.layers, strict=True):
         torch.testing.assert_close(layer.keys, eager_layer.keys)
         torch.testing.assert_close(layer.values, eager_layer.values)

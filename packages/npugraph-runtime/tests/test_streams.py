@@ -60,13 +60,29 @@ def test_wait_stream_orders_the_streams() -> None:
     torch.testing.assert_close(y, x * 3 - 1)
 
 
-def test_stream_context_switches_and_restores_the_current_stream() -> None:
-    default = ngr.current_stream("cpu")
-    s = ngr.Stream("cpu")
+def test_stream_context_switches_and_restores_the_current_stream(device: str) -> None:
+    default = ngr.current_stream(device)
+    s = ngr.Stream(device)
     with ngr.stream(s):
-        assert ngr.current_stream("cpu") == s
-    assert ngr.current_stream("cpu") == default
+        assert ngr.current_stream(device) == s
+    assert ngr.current_stream(device) == default
     assert s != default
+
+
+def test_event_orders_work_between_streams(device: str) -> None:
+    x = torch.randn(256, device=device)
+    s = ngr.Stream(device)
+    s.wait_stream(ngr.current_stream(device))  # x was made on the current stream
+    done = ngr.Event(device)
+    with ngr.stream(s):
+        y = x * 2
+        done.record()
+    done.wait()  # the current stream waits for s
+    z = y + 1
+    done.synchronize()
+    ngr.synchronize(device)
+    assert done.query() and s.query()
+    torch.testing.assert_close(z, x * 2 + 1)
 
 
 def test_events_outside_capture_are_complete_at_once() -> None:
@@ -74,10 +90,8 @@ def test_events_outside_capture_are_complete_at_once() -> None:
     e = ngr.Event("cpu")
     e.record(s)
     assert e.query() and s.query()
-    e.synchronize()
     e.wait()
     s.synchronize()
-    ngr.synchronize("cpu")
 
 
 def test_graph_captures_on_the_given_stream() -> None:
