@@ -145,19 +145,50 @@ def test_broken_entry_warns_once_recompiles_and_matches_eager(
     assert CacheStore.read(path) is not None  # rewritten whole
 
 
-def test_entry_whose_guards_fail_is_recompiled(
+def test_guards_the_key_cannot_see_select_a_variant_of_the_entry(
     tmp_path: Path, block: Block, cache_warnings: list[warnings.WarningMessage]
 ) -> None:
     x, kv = _inputs()
-    cache_compile(block.decode, cache_dir=tmp_path)(x, kv)
+    first = cache_compile(block.decode, cache_dir=tmp_path)
+    first(x, kv)
     torch.use_deterministic_algorithms(True)  # global state dynamo guards on, not in the key
     try:
         again = cache_compile(block.decode, cache_dir=tmp_path)
         torch.testing.assert_close(again(x, kv), _eager(block, x, kv))
+        [variant] = again.entry_paths
+        assert variant != _entry(first) and variant.name.endswith("_1.ngx")
+        third = cache_compile(block.decode, cache_dir=tmp_path)
+        torch.testing.assert_close(third(x, kv), _eager(block, x, kv))
+        assert third.entry_paths == [variant]  # loaded, not compiled again
     finally:
         torch.use_deterministic_algorithms(False)
-    [message] = _ours(cache_warnings)
-    assert "guards reject" in message
+    assert _ours(cache_warnings) == []
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def step(self, x: torch.Tensor, n: int, scale: float, flag: bool) -> torch.Tensor:
+        for _ in range(n):
+            x = self.linear(x)
+        return x * scale if flag else x
+
+
+def test_python_values_select_entries(
+    tmp_path: Path, cache_warnings: list[warnings.WarningMessage]
+) -> None:
+    # the int is specialised by a guard (a variant), the float and the bool by the key
+    module = Scaled().eval()
+    fn = cache_compile(module.step, cache_dir=tmp_path)
+    x = torch.randn(2, 4)
+    for n, scale, flag in [(3, 2.0, True), (4, 2.0, True), (3, 3.0, True), (3, 2.0, False)]:
+        with torch.no_grad():
+            want = module.step(x, n, scale, flag)
+        torch.testing.assert_close(fn(x, n, scale, flag), want)
+    assert len(set(fn.entry_paths)) == 4
+    assert all(p.exists() for p in fn.entry_paths) and _ours(cache_warnings) == []
 
 
 def test_other_dtype_gives_another_entry(tmp_path: Path, block: Block) -> None:

@@ -61,6 +61,16 @@ def ops_filter(name: str) -> bool:
     return name.startswith(ALLOWED_OP_PREFIXES)
 
 
+# node.meta kept in a saved graph: what a reader (readable code, error messages) uses. Fake
+# tensor values ("val", "example_value", "tensor_meta") are dropped: a loaded graph runs no pass
+# and its specs are stored, and a view's fake base can hold a fake mode that does not pickle.
+KEPT_NODE_META = frozenset({"stack_trace", "desc", "seq_nr", "original_aten", "from_node"})
+
+
+def meta_filter(key: str) -> bool:
+    return key in KEPT_NODE_META
+
+
 def versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {"torch": torch.__version__}
     for dist in _DISTRIBUTIONS:
@@ -135,7 +145,7 @@ class SerializableCompiledGraph(_compat.OutputCode):
         state = dict(self.compiled.__getstate__())
         state["config"] = _portable_config(state["config"])
         try:
-            state["gm"] = _compat.graph_pickle(state["gm"], ops_filter)
+            state["gm"] = _compat.graph_pickle(state["gm"], ops_filter, meta_filter)
             data = pickle.dumps(state)
         except Exception as exc:
             if isinstance(exc, type(_compat.bypass_cache(""))):

@@ -42,9 +42,58 @@ def aot_compile(
     specialising up front gives the graph the restart would have given."""
     import torch._dynamo.config as dynamo_config
 
-    compiled = torch.compile(fn, fullgraph=True, backend=backend, dynamic=dynamic)
+    compiled = torch.compile(
+        fn,
+        fullgraph=True,
+        backend=backend,
+        dynamic=dynamic,
+        options={"guard_filter_fn": portable_guard_filter},
+    )
     with dynamo_config.patch(specialize_float=True):
         return compiled.aot_compile((args, kwargs))  # type: ignore[attr-defined]
+
+
+def portable_guard_filter(entries: Any) -> list[bool]:
+    """torch.compile's ``guard_filter_fn`` (a public option; entries are GuardFilterEntry, checked
+    on torch 2.13.0): keep the guards that survive a save and a load in another process —
+    tensor dtype/device/shape/stride (TENSOR_MATCH), the dynamic-shape relations (SHAPE_ENV) and
+    the global state (GLOBAL_STATE: grad mode, autocast, default dtype, threads), like
+    ``torch.compiler.keep_portable_guards_unsafe``. Keeping any other guard makes torch 2.13 save
+    the frame's globals and dict-key-order guards (transformers models guard on pytree's
+    registry), which then fail to load. What the dropped guards protected is covered by the cache
+    key (Python values of the inputs, the module's repr, sources) and by the traced-source check
+    on load (``changed_sources``)."""
+    return [
+        e.guard_type in ("GLOBAL_STATE", "SHAPE_ENV")
+        or (e.guard_type == "TENSOR_MATCH" and not e.is_global)
+        for e in entries
+    ]
+
+
+def changed_sources(compiled: Any) -> list[str]:
+    """The traced source ranges of a loaded function that differ from the code installed now.
+    Checked on torch 2.13.0: ``AOTCompiledFunction.source_info().inlined_sources`` (module,
+    firstlineno, lastlineno, sha256 checksum of those lines)."""
+    import hashlib
+    import importlib
+    import inspect
+
+    changed: list[str] = []
+    try:
+        sources = compiled.source_info().inlined_sources
+    except AttributeError:
+        return changed
+    for src in sources:
+        where = f"{src.module} lines {src.firstlineno}-{src.lastlineno}"
+        try:
+            lines = inspect.getsourcelines(importlib.import_module(src.module))[0]
+        except (ImportError, OSError, TypeError):
+            changed.append(where)
+            continue
+        text = "".join(lines[src.firstlineno - 1 : src.lastlineno - 1])
+        if hashlib.sha256(text.encode()).hexdigest() != src.checksum:
+            changed.append(where)
+    return changed
 
 
 def serialize_compiled(compiled: Any) -> bytes:
@@ -57,23 +106,22 @@ def serialize_compiled(compiled: Any) -> bytes:
 
 
 def load_compiled(data: bytes, f_globals: dict[str, object]) -> Any:
-    """Public API (torch.compiler.load_compiled_function), checked on torch 2.13.0."""
-    return torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=f_globals)
+    """Public API (torch.compiler.load_compiled_function), checked on torch 2.13.0.
+
+    Loaded inside a throwaway ``torch._guards.TracingContext``: unpickling guard sources such as
+    ``ImportSource`` (a guard on ``__import__('torch').utils._pytree``, which transformers
+    models produce) installs a guard into the current tracing context and fails without one."""
+    from torch._guards import TracingContext, tracing
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with tracing(TracingContext(FakeTensorMode())):
+        return torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=f_globals)
 
 
 def guard_check(compiled: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Checked on torch 2.13.0: ``AOTCompiledFunction.guard_check(*args, **kwargs)`` (the frame's
     guards: tensor dtypes/shapes/strides, global state such as grad mode and thread count)."""
     return bool(compiled.guard_check(*args, **kwargs))
-
-
-def guard_failure_reason(compiled: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    """Checked on torch 2.13.0: ``_artifacts.guard_manager.check_verbose(f_locals)``."""
-    try:
-        f_locals = compiled.prepare_f_locals(*args, **kwargs)
-        return str(compiled._artifacts.guard_manager.check_verbose(f_locals).verbose_code_parts)
-    except Exception as exc:  # the reason is only for a log line
-        return f"(reason unavailable: {exc})"
 
 
 def disable_guard_check(compiled: Any) -> None:

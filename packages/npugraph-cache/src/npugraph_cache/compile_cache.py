@@ -21,7 +21,14 @@ import torch
 from npugraph_cache import _compat
 from npugraph_cache.__about__ import __version__
 from npugraph_cache.format import encode
-from npugraph_cache.keys import CacheKey, build_key, model_info, rank_component, stable_value
+from npugraph_cache.keys import (
+    CacheKey,
+    build_key,
+    model_info,
+    rank_component,
+    stable_value,
+    value_signature,
+)
 from npugraph_cache.rng import RngGraphError, refuse_rng
 from npugraph_cache.store import CacheEntryError, CacheStore, check_owned
 
@@ -30,6 +37,7 @@ CompileFn = Callable[[Mapping[str, Any] | None, Mapping[Any, Any] | None], Backe
 
 _ALLOWED_KWARGS = ("options", "custom_decompositions")
 COUNTERS = "npugraph_ex_cache"
+MAX_VARIANTS = 8
 
 
 class CacheWarning(UserWarning):
@@ -101,7 +109,7 @@ class CacheCompiledFunction:
         self.custom_decompositions = custom_decompositions
         self.compile_fn = compile_fn
         self.key_extra = dict(key_extra or {})
-        self._entries: list[Any] = []
+        self._entries: list[tuple[tuple[Any, ...], Any]] = []
         self.entry_paths: list[Path] = []
         self.__wrapped__ = func
         self.__doc__ = getattr(func, "__doc__", None)
@@ -117,11 +125,15 @@ class CacheCompiledFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         call_args = (self._module, *args)
+        signature = value_signature(args, kwargs, self.dynamic)
         with torch.no_grad():
-            for compiled in self._entries:
-                if _compat.guard_check(compiled, call_args, kwargs):
+            for entry_signature, compiled in self._entries:
+                if entry_signature == signature and _compat.guard_check(
+                    compiled, call_args, kwargs
+                ):
                     return compiled(*call_args, **kwargs)
             compiled = self._obtain(args, kwargs)
+            self._entries.append((signature, compiled))
             return compiled(*call_args, **kwargs)
 
     # --- obtaining an entry -------------------------------------------------------------------
@@ -144,24 +156,49 @@ class CacheCompiledFunction:
         key = self.key_for(args, kwargs)
         func_dir = self.func_dir
         self.store.ensure_dir(func_dir)
-        path = self.store.entry_path(func_dir, key.digest())
         call_args = (self._module, *args)
         warned: set[str] = set()
-        compiled = self._try_load(path, key, call_args, kwargs, warned)
+        compiled, path = self._load_any(func_dir, key, call_args, kwargs, warned)
         if compiled is None:
             # Writers queue here; whoever comes second finds the first one's entry and loads it.
             with self.store.lock(func_dir):
-                compiled = self._try_load(path, key, call_args, kwargs, warned)
+                compiled, path = self._load_any(func_dir, key, call_args, kwargs, warned)
                 if compiled is None:
                     compiled = self._compile_and_save(path, key, args, kwargs)
         _compat.disable_guard_check(compiled)
-        self._entries.append(compiled)
         self.entry_paths.append(path)
         return compiled
 
-    def _warn_once(self, warned: set[str], message: str) -> None:
+    def _load_any(
+        self,
+        func_dir: Path,
+        key: CacheKey,
+        call_args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        warned: set[str],
+    ) -> tuple[Any, Path]:
+        """(compiled, its path) on a hit; (None, where to write) on a miss. One key can hold
+        several variants: guards the key cannot see (an int dynamo specialised, global state)
+        select among them; a broken variant's file is reused, else the next free name."""
+        digest = key.digest()
+        broken: Path | None = None
+        for variant in range(MAX_VARIANTS):
+            path = self.store.entry_path(func_dir, digest, variant)
+            status, compiled = self._try_load(path, key, call_args, kwargs, warned)
+            if status == "hit":
+                return compiled, path
+            if status == "missing":
+                return None, broken or path
+            if status == "broken" and broken is None:
+                broken = path
+        return None, broken or self.store.entry_path(func_dir, digest, 0)
+
+    def _reject(self, warned: set[str], message: str) -> None:
+        """One warning (and one count) per rejected entry, though it is read twice (before and
+        after taking the lock)."""
         if message not in warned:
             warned.add(message)
+            _bump("rejected")
             warnings.warn(message, CacheWarning, stacklevel=4)
 
     def _try_load(
@@ -171,43 +208,46 @@ class CacheCompiledFunction:
         call_args: tuple[Any, ...],
         kwargs: dict[str, Any],
         warned: set[str],
-    ) -> Any:
+    ) -> tuple[str, Any]:
+        """("hit", compiled) | ("missing", None) | ("broken", None) with one warning |
+        ("rejected", None) when a valid variant's guards reject these inputs."""
         try:
             entry = self.store.read(path)
         except CacheEntryError as exc:
-            _bump("rejected")
-            self._warn_once(warned, f"npugraph_ex cache: ignoring {exc}; recompiling")
-            return None
+            self._reject(warned, f"npugraph_ex cache: ignoring {exc}; recompiling")
+            return "broken", None
         if entry is None:
-            return None
+            return "missing", None
         stored = entry.metadata.get("key")
         if not isinstance(stored, dict) or CacheKey(stored).digest() != key.digest():
-            _bump("rejected")
-            self._warn_once(
+            self._reject(
                 warned, f"npugraph_ex cache: ignoring {path}: its key does not match; recompiling"
             )
-            return None
+            return "broken", None
         try:
             compiled = _compat.load_compiled(entry.payload, self._function.__globals__)
         except Exception as exc:  # torch raises many types here (pickle, version checks)
-            _bump("rejected")
-            self._warn_once(
+            self._reject(
                 warned,
                 f"npugraph_ex cache: ignoring {path}: cannot be loaded "
                 f"({type(exc).__name__}: {exc}); recompiling",
             )
-            return None
-        if not _compat.guard_check(compiled, call_args, kwargs):
-            reason = _compat.guard_failure_reason(compiled, call_args, kwargs)
-            _bump("rejected")
-            self._warn_once(
+            return "broken", None
+        changed = _compat.changed_sources(compiled)
+        if changed:
+            self._reject(
                 warned,
-                f"npugraph_ex cache: ignoring {path}: its guards reject these inputs "
-                f"({reason}); recompiling",
+                f"npugraph_ex cache: ignoring {path}: the code it traced has changed since "
+                f"({'; '.join(changed[:3])}); recompiling",
             )
-            return None
+            return "broken", None
+        if not _compat.guard_check(compiled, call_args, kwargs):
+            if str(path) not in warned:
+                warned.add(str(path))
+                _bump("guard_mismatch")
+            return "rejected", None
         _bump("loaded")
-        return compiled
+        return "hit", compiled
 
     def _compile_and_save(
         self, path: Path, key: CacheKey, args: tuple[Any, ...], kwargs: dict[str, Any]

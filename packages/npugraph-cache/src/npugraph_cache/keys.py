@@ -121,10 +121,14 @@ def input_spec(args: tuple[Any, ...], kwargs: Mapping[str, Any], dynamic: bool) 
             return _tensor_spec(value, dynamic, symbols)
         if value is None or isinstance(value, bool | str):
             return value
-        if isinstance(value, int | float):
+        if isinstance(value, float):
+            # floats are specialised (see _compat.aot_compile): keyed by value
+            return {"float": value}
+        if isinstance(value, int):
             if dynamic and value not in (0, 1):
-                return {type(value).__name__: "dynamic"}
-            return {type(value).__name__: value}
+                # symbolic: a specialisation would be a SHAPE_ENV guard, which is kept
+                return {"int": "dynamic"}
+            return {"int": value}
         if isinstance(value, list | tuple):
             return {type(value).__name__: [walk(v, depth + 1) for v in value]}
         if isinstance(value, Mapping):
@@ -145,6 +149,46 @@ def input_spec(args: tuple[Any, ...], kwargs: Mapping[str, Any], dynamic: bool) 
         "args": [walk(a, 0) for a in args],
         "kwargs": {k: walk(v, 0) for k, v in sorted(kwargs.items())},
     }
+
+
+def value_signature(
+    args: tuple[Any, ...], kwargs: Mapping[str, Any], dynamic: bool
+) -> tuple[Any, ...]:
+    """The part of the input spec the kept guards do not check (Python values, containers'
+    lengths, object types), as a cheap hashable tuple computed on every call: an entry serves a
+    call only when both this signature and its guards match. Tensors are left to the guards."""
+    out: list[Any] = []
+
+    def walk(value: Any, depth: int) -> None:
+        if depth > _MAX_DEPTH:
+            out.append("<too deep>")
+        elif isinstance(value, torch.Tensor):
+            out.append(0)
+        elif value is None or isinstance(value, bool | str | float):
+            out.append(value)
+        elif isinstance(value, int):
+            out.append("i" if dynamic and value not in (0, 1) else value)
+        elif isinstance(value, list | tuple):
+            out.append((type(value), len(value)))
+            for v in value:
+                walk(v, depth + 1)
+        elif isinstance(value, Mapping):
+            out.append((type(value), tuple(value)))
+            for v in value.values():
+                walk(v, depth + 1)
+        elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+            out.append(type(value))
+            for f in dataclasses.fields(value):
+                walk(getattr(value, f.name), depth + 1)
+        else:
+            out.append(type(value))
+
+    for a in args:
+        walk(a, 0)
+    for k in sorted(kwargs):
+        out.append(k)
+        walk(kwargs[k], 0)
+    return tuple(out)
 
 
 def package_version(distribution: str) -> str | None:

@@ -76,8 +76,10 @@ class CacheStore:
                 os.chmod(current, 0o700)  # mkdir's mode is masked by the umask
 
     @staticmethod
-    def entry_path(func_dir: Path, key_digest: str) -> Path:
-        return func_dir / f"{ENTRY_PREFIX}{key_digest[:24]}{ENTRY_SUFFIX}"
+    def entry_path(func_dir: Path, key_digest: str, variant: int = 0) -> Path:
+        """Variants of one key hold graphs whose guards differ where the key does not."""
+        suffix = f"_{variant}" if variant else ""
+        return func_dir / f"{ENTRY_PREFIX}{key_digest[:24]}{suffix}{ENTRY_SUFFIX}"
 
     @staticmethod
     def lock(func_dir: Path) -> FileLock:
