@@ -294,13 +294,18 @@ def serializable_aot_compiler(compiler: Callable[..., Any]) -> Any:
     return SerializableAOTDispatchCompiler(OutputCode, compiler)
 
 
-def graph_pickle(gm: torch.fx.GraphModule, ops_filter: Callable[[str], bool]) -> bytes:
-    """Checked on 2.13.0: torch.fx._graph_pickler.GraphPickler.dumps with Options(ops_filter);
-    fake tensors in node.meta are pickled as metadata, an op the filter refuses bypasses the
-    cache (BypassFxGraphCache)."""
+def graph_pickle(
+    gm: torch.fx.GraphModule,
+    ops_filter: Callable[[str], bool],
+    meta_filter: Callable[[str], bool],
+) -> bytes:
+    """Checked on 2.13.0: torch.fx._graph_pickler.GraphPickler.dumps with Options(ops_filter,
+    node_metadata_key_filter); an op the filter refuses bypasses the cache (BypassFxGraphCache)."""
     from torch.fx._graph_pickler import GraphPickler, Options
 
-    return GraphPickler.dumps(gm, Options(ops_filter=ops_filter))
+    return GraphPickler.dumps(
+        gm, Options(ops_filter=ops_filter, node_metadata_key_filter=meta_filter)
+    )
 
 
 def graph_unpickle(data: bytes, example_inputs: Sequence[object]) -> torch.fx.GraphModule:
