@@ -125,7 +125,7 @@ def test_kv_cache_updated_in_place_and_a_new_cache_is_recaptured(counter: Callab
     assert counter("captured_") == 1
 
     old = cache.clone()
-    new_cache, new_ref = torch.randn(6, 4), None
+    new_cache = torch.randn(6, 4)
     new_ref = new_cache.clone()
     x, pos = torch.randn(1, 4), torch.tensor([4])
     torch.testing.assert_close(f(x, pos, new_cache), model(x, pos, new_ref))
