@@ -165,3 +165,14 @@ def test_planner_never_overlaps_items_alive_at_the_same_time(
                 and pb.offset < pa.offset + a.nbytes
             )
             assert not (same_time and same_bytes)
+
+
+def test_dropped_graph_gives_its_blocks_back(small_mlp: torch.nn.Module) -> None:
+    pool = ngr.graph_pool_handle("cpu")
+    x = torch.randn(16, 32)
+    big, _ = _capture_into(small_mlp, x, pool)
+    keeper, _ = _capture_into(lambda t: t + 1, x, pool)  # no intermediates, keeps the pool alive
+    assert ngr.pool_bytes(pool) > 0
+    del big
+    assert ngr.pool_bytes(pool) == 0
+    keeper.replay()

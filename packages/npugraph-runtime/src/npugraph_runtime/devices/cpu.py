@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -78,7 +80,7 @@ class CpuGraph:
         self._handle: PoolHandle = self._private
         self._recorder: Recorder | None = None
         self._pool: CpuPool | None = None
-        self._claims: list[Block] = []
+        self._claims: Callable[[], object] | None = None  # a weakref.finalize: releases once
         self._replay: Any = None
         self._issued = 0
         self._tensors: list[TensorEntry] = []
@@ -160,7 +162,9 @@ class CpuGraph:
                 stacklevel=2,
             )
         assert self._pool is not None
-        self._claims, dead = _place_intermediates(recorder, self._pool)
+        blocks, dead = _place_intermediates(recorder, self._pool)
+        # a graph dropped without reset() still gives its blocks back to the pool
+        self._claims = weakref.finalize(self, self._pool.release, blocks)
         self._tensors = recorder.tensors
         self._replay, self._issued = generate(recorder.steps, recorder.tensors, dead)
 
@@ -183,9 +187,9 @@ class CpuGraph:
         self._release()
 
     def _release(self) -> None:
-        if self._pool is not None and self._claims:
-            self._pool.release(self._claims)
-        self._claims = []
+        if self._claims is not None:
+            self._claims()
+        self._claims = None
         self._pool = None
         self._replay = None
         self._issued = 0
