@@ -336,6 +336,25 @@ def test_an_output_aliasing_a_mutated_input_is_returned_as_that_input(clone_outp
         torch.testing.assert_close(total, want_total)
 
 
+def test_a_view_of_a_mutated_input_is_never_cloned() -> None:
+    def head_of_cache(x: torch.Tensor, cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cache.add_(x)
+        return cache[:2], x * 2
+
+    cache = torch.zeros(4)
+    eager = cache.clone()
+    spec = InputSpec((SlotKind.USER, SlotKind.MUTATED), ((), ()))
+    fn = ngr.GraphedCallable(head_of_cache, spec, CapturePolicy(clone_output=True),
+                             output_spec=OutputSpec((1, None)))
+    for _ in range(3):
+        x = torch.randn(4)
+        head, twice = fn(x, cache)
+        want_head, want_twice = head_of_cache(x, eager)
+        assert head.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
+        torch.testing.assert_close(head, want_head)
+        torch.testing.assert_close(twice, want_twice)
+
+
 def test_an_output_that_is_a_user_input_is_returned_as_that_input() -> None:
     def passthrough(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return x, x + y
