@@ -203,6 +203,10 @@ def out_candidates(
     result, tensor) were just computed from ``args``, and the cost of copying each output."""
     tensors = [t for _, t in outs]
     op = _compat.op_entry(func)
+    if func.namespace not in ("aten", "prims"):
+        # a custom op may have effects its schema does not show: run it once per replay, never
+        # again at capture to time it
+        return [Candidate(Kind.COPY, op)], [0] * len(tensors)
     found = [Candidate(Kind.COPY, op, (), _cost_ns(lambda: op(*args, **kwargs)))]
     binding = public_binding(func.namespace, _compat.op_base_name(func))
     result: list[Any] = []

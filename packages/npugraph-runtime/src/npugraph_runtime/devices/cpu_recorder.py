@@ -372,7 +372,10 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
             ]
             step.kind, step.outs = Kind.COPY, fresh
             step.candidates, step.copy_costs = out_candidates(func, args, kwargs, fresh_leaves)
-            if len(fresh) != len(outs):  # some results alias inputs: only compute-and-copy fits
+            shared = len({self.tensors[r.i].storage for _, r in fresh}) != len(fresh)
+            if len(fresh) != len(outs) or shared:
+                # results that alias inputs or each other: out= kernels would be handed
+                # overlapping outputs, so only compute-and-copy fits
                 step.candidates = [c for c in step.candidates if c.kind is Kind.COPY]
         self.steps.append(step)
 
