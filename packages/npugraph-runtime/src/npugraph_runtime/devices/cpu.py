@@ -243,14 +243,15 @@ def _place_intermediates(recorder: Recorder, pool: CpuPool) -> tuple[list[Block]
         else:
             storages[si].obj = alive
             home[si] = (alive, 0)
-    placements = pool.plan([Lifetime(storages[si].nbytes, storages[si].first, storages[si].last) for si in dead])
+    placements = pool.plan(
+        [Lifetime(storages[si].nbytes, storages[si].first, storages[si].last) for si in dead]
+    )
     for si, placed in zip(dead, placements, strict=True):
         home[si] = (placed.block.storage, placed.offset)
     for entry in tensors:
         if entry.obj is None:
             storage, offset = home[entry.storage]
-            itemsize = torch.empty((), dtype=entry.dtype).element_size()
-            entry.offset += offset // itemsize
+            entry.offset += offset // entry.dtype.itemsize
             entry.obj = torch.empty(0, dtype=entry.dtype).set_(
                 storage, entry.offset, entry.size, entry.stride
             )
