@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from npugraph_backend import CompilerConfig, OptionError, compile_fx
+from npugraph_passes import register_replacement
 from npugraph_runtime import graph_pool_handle
 
 from npugraph_ex import scope
@@ -32,21 +33,13 @@ __all__ = [
 ]
 
 
-_LAZY = {
-    # The compile cache is imported on first use: it is not needed to compile or run.
-    "inference": ("npugraph_ex.inference", None),
-    "register_replacement": ("npugraph_passes", "register_replacement"),
-}
-
-
 def __getattr__(name: str) -> Any:
-    where = _LAZY.get(name)
-    if where is None:
-        raise AttributeError(f"module 'npugraph_ex' has no attribute {name!r}")
-    module = importlib.import_module(where[0])
-    value = module if where[1] is None else getattr(module, where[1])
-    globals()[name] = value
-    return value
+    # The compile cache is imported on first use: it is not needed to compile or run.
+    if name == "inference":
+        module = importlib.import_module("npugraph_ex.inference")
+        globals()["inference"] = module
+        return module
+    raise AttributeError(f"module 'npugraph_ex' has no attribute {name!r}")
 
 
 def _alias_under_torch_npu() -> None:
