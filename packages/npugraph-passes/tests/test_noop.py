@@ -141,6 +141,16 @@ def test_clone_written_in_place_by_user_pass_is_kept() -> None:
     torch.testing.assert_close(b, x * 3)
 
 
+def test_copy_removed_earlier_makes_later_views_alias_the_input() -> None:
+    # cat([x]) is dropped first; the slice of it is then a view of x, so the second single-input
+    # cat, which is returned, must stay a copy.
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([torch.cat([x])[1:]])
+
+    _, after = _check(fn, torch.randn(3, 6))
+    assert after[aten.cat.default] == 1
+
+
 def test_partial_slice_and_real_repeat_are_kept() -> None:
     def fn(x: torch.Tensor) -> torch.Tensor:
         return x[1:].repeat(2, 1) + 0.5

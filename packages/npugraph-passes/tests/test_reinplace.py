@@ -273,7 +273,6 @@ def test_generated_mutation_chains_match_the_functional_graph(steps: list[str], 
     for target in untouched:
         assert after[target] == before[target]
     assert _input_copies(gm) <= _input_copies(ref)
-    assert bytes_copied_per_step(gm, inputs) <= bytes_copied_per_step(ref, inputs)
 
 
 @pytest.mark.parametrize("passes", [(inplace_pass,), (input_inplace_pass,)])

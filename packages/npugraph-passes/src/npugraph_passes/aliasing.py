@@ -54,8 +54,10 @@ class GraphFacts:
         self.placeholders: list[torch.fx.Node] = []
         self.input_storages: set[int] = set()
         self.output_storages: set[int] = set()
+        self.storage: dict[torch.fx.Node, int | None] = {}
         for i, node in enumerate(graph.nodes):
             self.position[node] = i
+            self.storage[node] = node_storage(node)
             if node.op == "placeholder":
                 self.placeholders.append(node)
                 key = node_storage(node)
@@ -72,6 +74,21 @@ class GraphFacts:
             key = node_storage(out)
             if key is not None:
                 self.output_storages.add(key)
+
+    def storage_of(self, node: object) -> int | None:
+        return self.storage.get(node) if isinstance(node, torch.fx.Node) else None
+
+    def replaced(self, node: torch.fx.Node, src: torch.fx.Node) -> None:
+        """``node`` (a copy of ``src``) was replaced by ``src``: every view of ``node`` is now a
+        view of ``src``, and if ``node``'s memory was returned, ``src``'s now is."""
+        old, new = self.storage.get(node), self.storage.get(src)
+        if old is None or old == new:
+            return
+        for n, key in self.storage.items():
+            if key == old:
+                self.storage[n] = new
+        if old in self.output_storages and new is not None:
+            self.output_storages.add(new)
 
     def outputs(self) -> list[torch.fx.Node]:
         if self.output_node.op != "output":

@@ -22,7 +22,7 @@ import torch
 import torch.fx
 
 from npugraph_passes import _compat
-from npugraph_passes.aliasing import GraphFacts, node_storage
+from npugraph_passes.aliasing import GraphFacts
 
 aten = torch.ops.aten
 
@@ -127,7 +127,7 @@ def remove_noop_ops(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], con
             dst = node.args[0]
             if isinstance(dst, torch.fx.Node) and dst.kwargs.get("pin_memory") is True:
                 continue
-        node_key, src_key = node_storage(node), node_storage(src)
+        node_key, src_key = facts.storage_of(node), facts.storage_of(src)
         if node_key is None or src_key is None:
             continue
         is_view = node_key == src_key
@@ -154,5 +154,6 @@ def remove_noop_ops(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], con
             if node in outputs:
                 outputs.add(src)
                 facts.output_storages.add(src_key)
+            facts.replaced(node, src)
             node.replace_all_uses_with(src)
             graph.erase_node(node)
