@@ -101,6 +101,27 @@ def test_force_recapture_recaptures_every_call_after_the_first(layer: torch.nn.L
     assert fn.num_captures == 1
 
 
+def test_a_recapture_is_not_warmed_up_again_and_returns_the_fresh_capture(layer: torch.nn.Linear) -> None:
+    runs = []
+
+    def counted(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor]:
+        runs.append(1)  # once per eager run or capture (replays do not run Python)
+        return linear_relu(x, w, b)
+
+    fn = ngr.make_graphed_callable(counted, (torch.randn(4, 16), layer.weight, layer.bias),
+                                   static_argnums=(1, 2), force_recapture=True)
+    with torch.no_grad():
+        x = torch.randn(4, 16)
+        first = fn(x, layer.weight, layer.bias)
+        assert len(runs) == 2  # warmup (the call's result) + capture
+        for call in range(3):
+            x = torch.randn(4, 16)
+            out = fn(x, layer.weight, layer.bias)
+            torch.testing.assert_close(out, linear_relu(x, layer.weight, layer.bias))
+            assert len(runs) == 3 + call  # capture only; the result is the fresh graph's replay
+    assert first[0].data_ptr() != out[0].data_ptr()
+
+
 def test_param_data_rebinding_recaptures(layer: torch.nn.Linear) -> None:
     fn = ngr.make_graphed_callable(linear_relu, (torch.randn(4, 16), layer.weight, layer.bias),
                                    static_argnums=(1, 2), name="rebind")

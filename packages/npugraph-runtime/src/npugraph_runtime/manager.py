@@ -193,10 +193,13 @@ class GraphedCallable:
         return self._capture(key, args, NEW_KEY)
 
     def _capture(self, key: Key, args: Args, reason: str) -> object:
-        """Warm up, capture ``key`` (replacing an older capture of it) and return the call's
-        result: the last warmup run's, or a replay's when there is no warmup."""
+        """Capture ``key`` (replacing an older capture of it) and return the call's result.
+
+        A new key is warmed up first and the call returns the last warmup run's result. A
+        recapture is not warmed up again: it replays the fresh capture and returns that, so
+        force_recapture shows what a fresh capture computes (the triage recipe relies on it)."""
         self._check_kinds(args)
-        result = self._warm_up(args)
+        result = self._warm_up(args) if reason == NEW_KEY else _NO_RESULT
         cap = self._record(key, args)
         old = self._captures.pop(key, None)
         self._captures[key] = cap
