@@ -162,3 +162,7 @@ def test_aliased_inputs_with_a_synthetic_base_stay_correct() -> None:
     torch.testing.assert_close(g(other[:4], other[2:6]), f(ref_other[:4], ref_other[2:6]))
     torch.testing.assert_close(other, ref_other)
     torch.testing.assert_close(base, ref_base)
+
+
+def test_backend_is_listed_by_dynamo() -> None:
+    assert "npugraph_ex" in _compat.list_backends()

@@ -173,23 +173,6 @@ def make_boxed(fn: Callable[..., Any]) -> Callable[[list[Any]], Any]:
     return make_boxed_func(fn)
 
 
-# --- Fake tensors ------------------------------------------------------------------------------
-# torch._subclasses.fake_tensor.FakeTensor: checked on 2.13.0. Example inputs inside AOT are
-# fake; the device is what we need from them.
-def is_fake(x: object) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(x, FakeTensor)
-
-
-# --- Dynamo compile counting (tests count dynamo graphs) --------------------------------------
-# torch._dynamo.testing.CompileCounterWithBackend: checked on 2.13.0.
-def compile_counter(backend: str) -> Any:
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    return CompileCounterWithBackend(backend)
-
-
 def dynamo_reset() -> None:
     """torch._dynamo.reset: checked on 2.13.0."""
     import torch._dynamo
