@@ -4,6 +4,7 @@ Device work is synchronised before each clock read."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from collections.abc import Callable
@@ -39,6 +40,10 @@ def use_clock(device: torch.device, kind: str = "auto") -> str:
 
 def clock() -> float:
     return _CLOCK()
+
+
+def clock_is_cpu_time() -> bool:
+    return _CLOCK is time.thread_time
 
 
 @dataclass(frozen=True)
@@ -132,3 +137,45 @@ def measure_interleaved(
             inner=inner[name],
         )
     return result
+
+
+def measure_states(
+    fns: dict[str, Callable[[], object]],
+    states: dict[str, Callable[[], contextlib.AbstractContextManager[object]]],
+    *,
+    device: torch.device,
+    runs: int = MIN_RUNS,
+    warmup: int = 5,
+    target_s: float = 2e-3,
+) -> dict[str, dict[str, Timing]]:
+    """Like `measure_interleaved`, with each round also cycling through `states` (context
+    managers entered outside the timed region), so that a state's effect is measured against
+    the others in the same stretch of time: result[state][fn]."""
+    runs = max(runs, MIN_RUNS)
+    inner: dict[str, int] = {}
+    for state in states.values():
+        with state():
+            for name, fn in fns.items():
+                for _ in range(warmup):
+                    fn()
+                inner[name] = max(inner.get(name, 1), inner_for(fn, device, target_s))
+    samples: dict[str, dict[str, list[float]]] = {s: {n: [] for n in fns} for s in states}
+    for _ in range(runs):
+        for state_name, state in states.items():
+            with state():
+                synchronize(device)
+                for name, fn in fns.items():
+                    n = inner[name]
+                    start = _CLOCK()
+                    for _ in range(n):
+                        fn()
+                    synchronize(device)
+                    samples[state_name][name].append((_CLOCK() - start) / n)
+    return {s: {n: _timing(v, runs, inner[n]) for n, v in by_fn.items()}
+            for s, by_fn in samples.items()}
+
+
+def _timing(values: list[float], runs: int, inner: int) -> Timing:
+    values = sorted(values)
+    return Timing(median=statistics.median(values), p10=values[int(0.1 * (len(values) - 1))],
+                  p90=values[int(0.9 * (len(values) - 1))], runs=runs, inner=inner)
