@@ -315,3 +315,47 @@ def test_options_do_not_leak_between_compiles(counter: Callable[[str], int]) -> 
     plain = torch.compile(TwoLayer(), backend="npugraph_ex", fullgraph=True, dynamic=False)
     plain(x)
     assert counter("capture_due_to_new_key_") == 1
+
+
+@torch.no_grad()
+def test_custom_passes_run_before_and_after_the_builtins_with_the_config() -> None:
+    from npugraph_backend import CompilerConfig
+
+    seen: list[tuple[str, bool]] = []
+
+    def pre(gm: torch.fx.GraphModule, example_inputs: list[object], config: object) -> None:
+        seen.append(("pre", isinstance(config, CompilerConfig)))
+
+    def post(gm: torch.fx.GraphModule, example_inputs: list[object], config: object) -> None:
+        seen.append(("post", isinstance(config, CompilerConfig)))
+        # A rewrite the result must show: multiply the graph's output by 2.
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        (result,) = out.args[0]
+        with gm.graph.inserting_before(out):
+            doubled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (result, 2))
+        out.args = ((doubled,),)
+        gm.recompile()
+
+    model = TwoLayer()
+    f = compiled(model, post_grad_custom_pre_pass=pre, post_grad_custom_post_pass=post)
+    x = torch.randn(2, 8)
+    for _ in range(2):
+        torch.testing.assert_close(f(x), model(x) * 2)
+    assert seen == [("pre", True), ("post", True)]
+
+
+@torch.no_grad()
+def test_a_compiler_config_object_is_accepted_as_options_and_not_modified(
+    counter: Callable[[str], int],
+) -> None:
+    from npugraph_backend import CompilerConfig
+
+    config = CompilerConfig()
+    config.force_recapture = True
+    model = TwoLayer()
+    f = torch.compile(model, backend="npugraph_ex", fullgraph=True, dynamic=False, options=config)
+    for _ in range(3):
+        x = torch.randn(2, 8)
+        torch.testing.assert_close(f(x), model(x))
+    assert counter("recapture_due_to_force_recapture_") == 2
+    assert config == CompilerConfig(force_recapture=True)
