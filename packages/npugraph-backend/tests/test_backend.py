@@ -166,3 +166,30 @@ def test_aliased_inputs_with_a_synthetic_base_stay_correct() -> None:
 
 def test_backend_is_listed_by_dynamo() -> None:
     assert "npugraph_ex" in _compat.list_backends()
+
+
+@torch.no_grad()
+def test_without_descriptors_inputs_are_mapped_in_metadata_order() -> None:
+    # torch 2.11 may not set node.meta["desc"]: the same kinds come from fw_metadata's order.
+    from npugraph_backend.specs import build_specs
+
+    found: dict[str, Any] = {}
+
+    def fw(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        found["with"] = build_specs(gm, example_inputs)
+        for node in gm.graph.nodes:
+            node.meta.pop("desc", None)
+        found["without"] = build_specs(gm, example_inputs)
+        return compile_fx(gm, example_inputs)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        return _compat.aot_module_simplified(gm, example_inputs, fw_compiler=fw,
+                                             keep_inference_input_mutations=True)
+
+    model = WithBuffer()
+    f = torch.compile(model, backend=backend, fullgraph=True, dynamic=False)
+    f(torch.randn(2, 4), torch.zeros(2, 4), torch.randn(2, 4))
+    assert found["with"].how == "descriptors"
+    assert found["without"].how == "metadata order"
+    assert found["without"].inputs == found["with"].inputs
+    assert found["without"].outputs == found["with"].outputs

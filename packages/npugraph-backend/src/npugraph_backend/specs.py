@@ -122,10 +122,15 @@ def _output_aliasing(
         alias: int | None = None
         if isinstance(out, torch.fx.Node) and out.op == "placeholder":
             alias = slot_of[out.name]
-        elif origins is not None and md is not None and j < len(origins):
-            kind, idx = origins[j]
-            if kind == "plain" and idx is not None and idx < len(md.outputs):
-                out_type, base = md.outputs[idx]
+        elif md is not None:
+            if origins is not None:
+                kind, idx = origins[j] if j < len(origins) else ("other", None)
+                user_out = idx if kind == "plain" else None
+            else:
+                # No descriptors: graph outputs are tokens, updated inputs, then user outputs.
+                user_out = j - md.num_tokens - md.num_mutated_outputs
+            if user_out is not None and 0 <= user_out < len(md.outputs):
+                out_type, base = md.outputs[user_out]
                 if out_type in ("alias_of_input", "is_input") and base is not None:
                     alias = flat_to_slot.get(base)
         if alias is None and isinstance(out, torch.fx.Node):
