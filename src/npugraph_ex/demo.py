@@ -93,7 +93,8 @@ def decode(ctx: BenchContext, dec: Any, name: str, prompt: torch.Tensor, n: int,
         token = dec.prefill(prompt)
         tokens = [int(t) for t in token.flatten().tolist()]
         times: list[float] = []
-        for i in ctx.steps(range(n - 1), desc=f"{name:>9}", total=n - 1):
+        label = "npugraph_ex" if name == OURS else name
+        for i in ctx.steps(range(n - 1), desc=f"{label:>11}", total=n - 1):
             t0 = clock()
             token = step(token, dec.position(PROMPT + i))
             synchronize(dec.device)
