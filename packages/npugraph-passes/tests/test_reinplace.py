@@ -312,3 +312,18 @@ def test_several_updates_of_one_input_become_in_place_without_inplace_pass() -> 
     assert counts[aten.index_copy_.default] == 2
     assert counts[aten.mul_.Tensor] == 1
     assert _input_copies(gm) == 0
+
+
+def test_view_of_a_dropped_copy_still_counts_as_reading_the_input() -> None:
+    # remove_noop_ops drops cat([cache]); the slice taken of it is then a view of the cache
+    # (its meta still describes the dropped copy). It is read after the update, so the update
+    # must stay functional.
+    def step(cache: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        window = torch.cat([cache])[1:]
+        cache.index_copy_(0, pos, new)
+        return window * 2, cache.sum()
+
+    inputs = [torch.randn(6, 4), torch.tensor([3]), torch.randn(1, 4)]
+    gm, _ = _optimise(step, inputs, remove_noop_ops, inplace_pass, input_inplace_pass)
+    assert _counts(gm)[aten.cat.default] == 0
+    assert _counts(gm)[aten.index_copy_.default] == 0

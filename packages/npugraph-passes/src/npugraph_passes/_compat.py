@@ -53,19 +53,6 @@ def fake_args_kwargs(node: torch.fx.Node) -> tuple[bool, tuple[Any, ...], dict[s
     return bool(ok), tuple(args), dict(kwargs)
 
 
-# Storage identity of a tensor (fake or real). Checked on 2.13.0.
-def has_storage(t: torch.Tensor) -> bool:
-    return bool(torch._C._has_storage(t))
-
-
-def storage_key(t: torch.Tensor) -> int | None:
-    if not has_storage(t):
-        return None
-    from torch.multiprocessing.reductions import StorageWeakRef
-
-    return int(StorageWeakRef(t.untyped_storage()).cdata)  # type: ignore[no-untyped-call]
-
-
 # Functional op -> its in-place overload with a matching schema (add.Tensor -> add_.Tensor).
 # torch.fx.passes.reinplace._maybe_get_inplace_op, checked on 2.13.0; our own lookup by name
 # and argument types when it is missing.

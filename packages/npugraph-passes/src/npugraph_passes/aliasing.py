@@ -1,29 +1,98 @@
-"""Storage and mutation facts about FX nodes, read from ``node.meta["val"]``.
+"""Storage and mutation facts about FX nodes.
 
 Every rewrite that changes which tensor a node reads or writes asks these questions first: which
-storage does a node's value live in, which nodes write into a storage and where, and does a
-storage belong to a graph input or a graph output.
+memory does a node's value live in, which nodes write into it and where, and does it belong to a
+graph input or a graph output.
+
+Aliasing is read from the graph's structure, not from ``node.meta["val"]``: an op whose schema
+says its result aliases an argument (views ``Tensor(a)``, in-place ops and ``out=`` returning
+``Tensor(a!)``, ``getitem`` of a list of views) shares that argument's memory; every other ATen op
+returns fresh memory. Meta values go stale when a pass replaces a node; the structure does not.
+Nodes whose effect we cannot know (Python callables, higher-order ops) have unknown memory.
 """
 
 from __future__ import annotations
 
+import operator
 from collections import defaultdict
 from collections.abc import Iterable
 
 import torch
 import torch.fx
 
-from npugraph_passes._compat import OpOverload, storage_key
+from npugraph_passes._compat import OpOverload
+
+
+def _arg_value(node: torch.fx.Node, index: int, arg: object) -> object:
+    name = getattr(arg, "name", "")
+    if getattr(arg, "kwarg_only", False) or index >= len(node.args):
+        return node.kwargs.get(name)
+    return node.args[index]
+
+
+# Views whose schema carries no alias annotation (AOT emits _unsafe_view after matmuls).
+_UNANNOTATED_VIEWS = frozenset({torch.ops.aten._unsafe_view.default})
+
+
+def alias_base(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The argument whose memory ``node``'s result shares, or None for fresh memory."""
+    target = node.target
+    if node.op != "call_function":
+        return None
+    if target in _UNANNOTATED_VIEWS:
+        base = node.args[0] if node.args else None
+        return base if isinstance(base, torch.fx.Node) else None
+    if target is operator.getitem and node.args and isinstance(node.args[0], torch.fx.Node):
+        parent = node.args[0]
+        base = alias_base(parent)
+        return base if base is not None and parent.target is not operator.getitem else None
+    if not isinstance(target, OpOverload):
+        return None
+    schema = target._schema
+    if not schema.returns or schema.returns[0].alias_info is None:
+        return None
+    sets = schema.returns[0].alias_info.before_set
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.before_set & sets:
+            value = _arg_value(node, i, arg)
+            if isinstance(value, torch.fx.Node):
+                return value
+    return None
+
+
+def _known(node: torch.fx.Node) -> bool:
+    """Whether we know where ``node``'s result lives (ours or fresh)."""
+    if node.op in ("placeholder", "get_attr"):
+        return True
+    if node.op != "call_function":
+        return False
+    return isinstance(node.target, OpOverload) or node.target is operator.getitem
+
+
+def storage_root(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The node that allocated the memory ``node``'s tensor lives in; None when unknown."""
+    seen = 0
+    while seen < 10_000:
+        if not _known(node):
+            return None
+        base = alias_base(node)
+        if base is None:
+            return node
+        node = base
+        seen += 1
+    return None  # pragma: no cover - a cycle cannot happen in a DAG
 
 
 def node_storage(node: object) -> int | None:
-    """The storage of a node's tensor value, or None when unknown (no meta, not a tensor)."""
+    """An identity of the memory of a node's tensor value (the same for every view of it), or
+    None when unknown or not a tensor."""
     if not isinstance(node, torch.fx.Node):
         return None
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return None
-    return storage_key(val)
+    root = storage_root(node)
+    return id(root) if root is not None else None
 
 
 def written_args(node: torch.fx.Node) -> list[torch.fx.Node]:

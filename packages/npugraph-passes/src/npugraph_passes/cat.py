@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from npugraph_passes.aliasing import node_storage
+from npugraph_passes.aliasing import alias_base, node_storage
 from npugraph_passes.out_variants import out_overload
 from npugraph_passes.stream_safety import StreamMap
 
@@ -64,7 +64,7 @@ def _plan(node: torch.fx.Node, streams: StreamMap, storage_count: dict[int, int]
         val = _val(inp)
         if not isinstance(inp, torch.fx.Node) or val is None or inp.op != "call_function":
             return None
-        if out_overload(inp.target) is None or "out" in inp.kwargs:
+        if out_overload(inp.target) is None or "out" in inp.kwargs or alias_base(inp) is not None:
             return None
         if set(inp.users) != {node} or inputs.count(inp) != 1:
             return None

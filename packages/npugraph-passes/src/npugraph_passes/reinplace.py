@@ -27,7 +27,7 @@ import torch
 import torch.fx
 
 from npugraph_passes import _compat
-from npugraph_passes.aliasing import node_storage, written_args
+from npugraph_passes.aliasing import alias_base, node_storage, written_args
 from npugraph_passes.noop import same_meta
 from npugraph_passes.out_variants import out_overload
 from npugraph_passes.stream_safety import StreamMap
@@ -311,7 +311,7 @@ def _input_in_place(src: torch.fx.Node, dst: torch.fx.Node, copy: torch.fx.Node,
 def _input_out_variant(src: torch.fx.Node, dst: torch.fx.Node, copy: torch.fx.Node, an: _Analysis) -> bool:
     """``new = f(a, b)`` + ``copy_(dst, new)`` -> ``f.out(a, b, out=dst)`` when ``f`` has one."""
     out_op = out_overload(src.target)
-    if out_op is None or "out" in src.kwargs:
+    if out_op is None or "out" in src.kwargs or alias_base(src) is not None:
         return False
     if not _fits_in_place(src, dst) or _others_alias(src, dst, an, skip_first=False):
         return False
