@@ -8,6 +8,7 @@ import importlib.util
 import pathlib
 import warnings
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import npugraph_runtime as ngr
 import pytest
@@ -25,6 +26,14 @@ def test_npu_without_torch_npu_names_the_extra_and_cann() -> None:
     with pytest.raises(ImportError, match=r"pip install npugraph-runtime\[npu\]") as info:
         AcceleratorBackend("npu")
     assert "CANN" in str(info.value)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch_npu") is not None, reason="torch_npu installed")
+@pytest.mark.parametrize("make", [ngr.Graph, ngr.graph_pool_handle, ngr.Stream, ngr.Event])
+def test_public_api_on_npu_without_torch_npu_names_the_extra(make: Any) -> None:
+    # torch cannot even parse "npu" before torch_npu is imported: the message must still say how
+    with pytest.raises(ImportError, match=r"pip install npugraph-runtime\[npu\]"):
+        make("npu:0")
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="a GPU is present")

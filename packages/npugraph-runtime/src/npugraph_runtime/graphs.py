@@ -40,7 +40,10 @@ def device_of(x: object) -> torch.device:
     if isinstance(x, torch.device):
         return x
     if isinstance(x, str):
-        device_type(x)  # unknown strings raise DeviceError naming what is supported
+        # unknown strings raise DeviceError naming what is supported; "npu" imports torch_npu
+        # first (which teaches torch that device type) or says how to install it
+        if device_type(x) == "npu":
+            backend_for(x)
         return torch.device(x)
     if isinstance(x, torch.Tensor):
         return x.device

@@ -20,6 +20,9 @@ def device_type(device: torch.device | str | None) -> str:
     try:
         return torch.device(device).type
     except (RuntimeError, TypeError, ValueError):
+        # torch parses "npu" only once torch_npu is imported: let the NPU backend say how to get it
+        if isinstance(device, str) and device.split(":", 1)[0] == "npu":
+            return "npu"
         raise DeviceError(
             f"device {device!r} is not supported: npugraph-ex runs on "
             + ", ".join(repr(s) for s in SUPPORTED)
