@@ -233,3 +233,22 @@ def test_readable_cache_and_cli_show_the_graph_and_key(
     assert "1 entry" in capsys.readouterr().out
     assert cli_main(["clear", str(tmp_path / "c")]) == 0
     assert not path.exists()
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, dropout_p: float) -> None:
+        super().__init__()
+        self.dropout_p = dropout_p
+
+    def step(self, q: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, dropout_p=self.dropout_p)
+
+
+def test_attention_dropout_is_refused_only_when_it_draws(tmp_path: Path) -> None:
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(RngGraphError, match="scaled_dot_product_attention"):
+        cache_compile(Attention(0.5).step, cache_dir=tmp_path)(q)
+    module = Attention(0.0)
+    with torch.no_grad():
+        want = module.step(q)
+    torch.testing.assert_close(cache_compile(module.step, cache_dir=tmp_path)(q), want)

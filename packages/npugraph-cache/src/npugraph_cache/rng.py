@@ -34,6 +34,11 @@ def _dropout_training(node: torch.fx.Node) -> bool:
     return training is not False
 
 
+def _sdpa_dropout(node: torch.fx.Node) -> bool:
+    p = node.kwargs.get("dropout_p", node.args[4] if len(node.args) > 4 else 0.0)
+    return not (isinstance(p, int | float) and p == 0)
+
+
 def rng_nodes(gm: torch.fx.GraphModule) -> list[str]:
     """Human-readable descriptions of every node of a dynamo graph that draws random numbers."""
     found: list[str] = []
@@ -42,8 +47,13 @@ def rng_nodes(gm: torch.fx.GraphModule) -> list[str]:
         if node.op == "call_function":
             target = node.target
             name = getattr(target, "__name__", str(target))
-            random = is_seeded_op(target) or name in _RNG_FUNCTIONS
-            if not random and not (name in _DROPOUTS and _dropout_training(node)):
+            random = (
+                is_seeded_op(target)
+                or name in _RNG_FUNCTIONS
+                or (name in _DROPOUTS and _dropout_training(node))
+                or (name == "scaled_dot_product_attention" and _sdpa_dropout(node))
+            )
+            if not random:
                 continue
         elif node.op == "call_method" and node.target in _RNG_METHODS:
             name = f"Tensor.{node.target}"
