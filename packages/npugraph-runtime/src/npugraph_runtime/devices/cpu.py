@@ -276,12 +276,16 @@ class CpuBackend:
         """CPU work is done when Python regains control."""
 
     def capabilities(self, device: torch.device) -> dict[str, object]:
+        # same keys as the accelerator backend's, so doctor and callers read one shape
         return {
-            "graphs": "emulated (dispatch-mode recording, generated replay)",
-            "pools": True,
+            "graphs": True,
+            "graph_class": "emulated (dispatch-mode recording, generated replay)",
+            "core_limit": "threads",
+            "task_update": False,
+            "pool_sharing": True,
             "streams": "logical (ordering checked at capture)",
+            "debug_dump": False,
             "capture_error_modes": CAPTURE_ERROR_MODES,
-            "core_limit": "intra-op threads",
             "threads": torch.get_num_threads(),
         }
 
