@@ -434,3 +434,18 @@ def test_bad_arguments_are_refused_with_the_name_of_what_to_change() -> None:
         fn(torch.randn(2), torch.randn(2))
     with pytest.raises(ngr.PolicyError, match="input 0 is user"):
         fn(3.0)
+
+
+def test_replays_and_captures_show_as_profiler_ranges_only_while_profiling(layer: torch.nn.Linear) -> None:
+    fn = ngr.make_graphed_callable(linear_relu, (torch.randn(4, 16), layer.weight, layer.bias),
+                                   static_argnums=(1, 2), warmup=0)
+    x = torch.randn(4, 16)
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn(x, layer.weight, layer.bias)  # capture + replay
+        out = fn(x, layer.weight, layer.bias)  # replay
+    names = [e.name for e in prof.events()]
+    assert names.count("npugraph_ex::capture") == 1
+    assert names.count("npugraph_ex::replay") == 2
+    torch.testing.assert_close(out, linear_relu(x, layer.weight, layer.bias))
+    with torch.no_grad():
+        torch.testing.assert_close(fn(x, layer.weight, layer.bias), linear_relu(x, layer.weight, layer.bias))

@@ -120,3 +120,20 @@ def wait_tensor_op() -> Callable[..., Any]:
     """Checked on torch 2.13.0 and 2.11: ``torch.ops._c10d_functional.wait_tensor`` waits for an
     asynchronous functional collective's result."""
     return op_entry(torch.ops._c10d_functional.wait_tensor.default)
+
+
+# --- manager.py: profiler ranges only while a profiler records ------------------------------------
+# torch.autograd.profiler._is_profiler_enabled: a module global every torch profiler sets on start
+# and clears on stop, so the hot path pays one attribute read. Checked on torch 2.13.0 (present
+# since 1.13); fallback: the C query, slower but correct.
+import torch.autograd.profiler as _autograd_profiler  # noqa: E402
+
+if hasattr(_autograd_profiler, "_is_profiler_enabled"):
+
+    def profiler_enabled() -> bool:
+        return bool(_autograd_profiler._is_profiler_enabled)
+
+else:  # pragma: no cover - older torch
+
+    def profiler_enabled() -> bool:
+        return bool(torch.autograd._profiler_enabled())  # type: ignore[attr-defined]

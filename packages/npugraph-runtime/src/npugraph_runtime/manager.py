@@ -43,6 +43,11 @@ _NO_RESULT: Any = object()
 _TENSOR_KINDS = (SlotKind.STATIC, SlotKind.MUTATED, SlotKind.USER)
 
 
+# Profiler range names (what a trace shows); the backend's compile phases use the same prefix.
+REPLAY_RANGE = "npugraph_ex::replay"
+CAPTURE_RANGE = "npugraph_ex::capture"
+
+
 class _Capture:
     """One captured graph and what its replay closure needs kept alive."""
 
@@ -150,7 +155,18 @@ class GraphedCallable:
         result, build = self._output_plan(cap)
         data_ptr = _data_ptr
 
+        profiling = _compat.profiler_enabled
+
         def run(args: Args) -> object:
+            if profiling():
+                return profiled(args)
+            return plain(args)
+
+        def profiled(args: Args) -> object:
+            with torch.profiler.record_function(REPLAY_RANGE):
+                return plain(args)
+
+        def plain(args: Args) -> object:
             if core_limit() != captured_limit:
                 return recapture(key, args)
             if all_equal is not None:
@@ -239,7 +255,10 @@ class GraphedCallable:
                 cap_args[i] = x
             buffers.append(x)
         g = Graph(device)
-        with graph(g, pool=self._pool_for(device), capture_error_mode=self._policy.capture_error_mode):
+        with (
+            torch.profiler.record_function(CAPTURE_RANGE),
+            graph(g, pool=self._pool_for(device), capture_error_mode=self._policy.capture_error_mode),
+        ):
             out = self._fn(*cap_args)
         cap = _Capture(key, g, cap_args, buffers)
         cap.outputs = out
