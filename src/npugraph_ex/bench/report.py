@@ -169,8 +169,8 @@ def plot(path: Path, sections: list[Section], title: str) -> bool:
         ax.tick_params(labelsize=7)
         for y, v in enumerate(values):
             ax.text(v, y, f" {v:,.0f}" if abs(v) >= 100 else f" {v:.3g}", va="center", fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.suptitle(f"{title}   (orange: npugraph_ex)", fontsize=10)
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
