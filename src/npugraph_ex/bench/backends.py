@@ -1,8 +1,7 @@
 """The compilers the benchmarks compare, behind one function, and what is needed to reach ours.
 
-"ours" is the npugraph_ex backend: its callable when npugraph_backend imports (which works from
-a source tree on PYTHONPATH with no installed entry points, as on the GPU machines), else the
-registered name."""
+"ours" is the npugraph_ex backend, by its registered name as users write it, else by its
+callable (a source tree on PYTHONPATH with no installed entry point)."""
 
 from __future__ import annotations
 
@@ -22,15 +21,15 @@ CUDA_ONLY = ("cudagraphs", "reduce-overhead")
 
 
 def ours_backend() -> str | Callable[..., Any] | None:
+    """backend="npugraph_ex" as users write it when the entry point is registered, else the
+    backend callable itself (a source tree on PYTHONPATH without the generated entry point)."""
+    if "npugraph_ex" in torch.compiler.list_backends():
+        return "npugraph_ex"
     try:
         from npugraph_backend import npugraph_ex_backend
     except ImportError:
-        pass
-    else:
-        return npugraph_ex_backend
-    if "npugraph_ex" in torch.compiler.list_backends():
-        return "npugraph_ex"
-    return None
+        return None
+    return npugraph_ex_backend
 
 
 def ours_missing_reason() -> str:
