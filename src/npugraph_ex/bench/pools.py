@@ -33,11 +33,16 @@ def _capture_all(ngr: Any, model: Any, batches: tuple[int, ...], pool: str,
     fn = ngr.make_graphed_callable(model, (x0,), pool=pool, device=device)
     ok = True
     with torch.no_grad():
+        # Largest first, as serving engines capture: later captures fit in blocks already held.
         for b in batches:
             x = torch.randn(b, 16, 64, device=device)
             for _ in range(2):  # capture, then replay
                 got = fn(x)
             ok = ok and bool(torch.allclose(got, model(x), rtol=1e-4, atol=1e-5))
+        # Every capture must still replay correctly once all of them share the pool.
+        for b in batches:
+            x = torch.randn(b, 16, 64, device=device)
+            ok = ok and bool(torch.allclose(fn(x), model(x), rtol=1e-4, atol=1e-5))
     return _held(ngr, fn), int(fn.num_captures), ok
 
 
