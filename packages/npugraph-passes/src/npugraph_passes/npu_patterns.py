@@ -54,6 +54,25 @@ def _tbmm_check(match: Any) -> bool:
     return isinstance(k, int) and isinstance(n, int) and k % 128 == 0 and n % 128 == 0 and k < 65536
 
 
+def _quant_check(match: Any) -> bool:
+    """What the fused kernel accepts: half/bfloat16 inputs of one dtype, a last dimension of a
+    multiple of 32 bytes, scales shaped like gamma, zero points that are not int8/uint8."""
+    vals = {k: (v.meta.get("val") if hasattr(v, "meta") else None) for k, v in match.kwargs.items()}
+    x1, x2, gamma, scales, zp = (vals.get(k) for k in ("x1", "x2", "gamma", "scales", "zero_points"))
+    if not all(isinstance(t, torch.Tensor) for t in (x1, x2, gamma, scales)):
+        return False
+    assert isinstance(x1, torch.Tensor) and isinstance(x2, torch.Tensor)
+    assert isinstance(gamma, torch.Tensor) and isinstance(scales, torch.Tensor)
+    last = x1.shape[-1]
+    return (
+        x1.dtype == x2.dtype
+        and x1.dtype in (torch.float16, torch.bfloat16)
+        and isinstance(last, int) and (last * x1.element_size()) % 32 == 0
+        and tuple(gamma.shape) == tuple(scales.shape)
+        and not (isinstance(zp, torch.Tensor) and zp.dtype in (torch.int8, torch.uint8))
+    )
+
+
 def _rules() -> list[tuple[str, tuple[str, ...], Callable[..., Any], Callable[..., Any], str, Callable[[Any], bool], dict[str, float] | None]]:
     def arn(*a: Any) -> Any:
         return _npu_op("npu_add_rms_norm")(*a)
@@ -121,7 +140,7 @@ def _rules() -> list[tuple[str, tuple[str, ...], Callable[..., Any], Callable[..
          dq_noxout_search, dq_noxout_replace, "norm4", _always, None),
         ("add_rms_norm_cast", (*norm, "npu_add_rms_norm_cast"), cast_search, cast_replace, "norm3", _always, None),
         ("add_rms_norm_quant", (*norm, "npu_quantize", "npu_add_rms_norm_quant"),
-         quant_search, quant_replace, "norm5", _always, None),
+         quant_search, quant_replace, "norm5", _quant_check, None),
         ("transpose_batchmatmul", ("npu_transpose_batchmatmul",), tbmm_search, tbmm_replace, "bmm", _tbmm_check, None),
     ]
 
