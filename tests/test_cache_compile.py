@@ -174,3 +174,29 @@ def test_unknown_keyword_and_uncacheable_options_are_value_errors(decoder: Decod
         cache_compile(
             decoder.decode, options={"use_graph_pool": npugraph_runtime.graph_pool_handle("cpu")}
         )
+
+
+def test_unsavable_graph_runs_uncached_with_one_warning(tmp_path: Path, decoder: Decoder) -> None:
+    # npugraph_cache used directly with a compile_fn whose output cannot be saved (a live pool
+    # in the options; npugraph_ex.inference.cache_compile refuses that option up front)
+    import npugraph_runtime
+    from npugraph_backend import npugraph_ex_backend
+    from npugraph_cache import cache_compile as raw_cache_compile
+
+    pool = npugraph_runtime.graph_pool_handle("cpu")
+
+    def compile_fn(options: Any, decompositions: Any) -> Callable[..., Any]:
+        def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            return npugraph_ex_backend(gm, example_inputs, options={"use_graph_pool": pool})
+
+        return backend
+
+    x, kv = _inputs()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fn = raw_cache_compile(decoder.decode, cache_dir=tmp_path, compile_fn=compile_fn)
+        for _ in range(3):
+            torch.testing.assert_close(fn(x, kv), _eager(decoder, x, kv))
+    [message] = [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
+    assert "cannot be saved" in message and "use_graph_pool" in message
+    assert fn.entry_paths == []

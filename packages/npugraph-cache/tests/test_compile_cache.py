@@ -252,3 +252,4 @@ def test_attention_dropout_is_refused_only_when_it_draws(tmp_path: Path) -> None
     with torch.no_grad():
         want = module.step(q)
     torch.testing.assert_close(cache_compile(module.step, cache_dir=tmp_path)(q), want)
+

@@ -70,6 +70,22 @@ def _bump(name: str) -> None:
     _compat.dynamo_counters()[COUNTERS][name] += 1
 
 
+_NOT_SAVABLE = ("BypassAOTAutogradCache", "PackageError")
+
+
+class _Uncached:
+    """A function compiled by plain torch.compile (dynamo keeps its own guards and recompiles)."""
+
+    def __init__(self, compiled: Callable[..., Any]) -> None:
+        self.compiled = compiled
+
+    def guard_check(self, *args: Any, **kwargs: Any) -> bool:
+        return True
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.compiled(*args, **kwargs)
+
+
 def _detached(qualname: str) -> Callable[..., Any]:
     def detached(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
@@ -152,6 +168,12 @@ class CacheCompiledFunction:
 
     def _obtain(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if not _compat.has_aot_compile():
+            warnings.warn(
+                f"npugraph_ex cache: torch {torch.__version__} has no aot_compile; {self.name} "
+                "is compiled without the disk cache",
+                CacheWarning,
+                stacklevel=3,
+            )
             return self._compile_without_cache()
         key = self.key_for(args, kwargs)
         func_dir = self.func_dir
@@ -166,7 +188,8 @@ class CacheCompiledFunction:
                 if compiled is None:
                     compiled = self._compile_and_save(path, key, args, kwargs)
         _compat.disable_guard_check(compiled)
-        self.entry_paths.append(path)
+        if not isinstance(compiled, _Uncached):
+            self.entry_paths.append(path)
         return compiled
 
     def _load_any(
@@ -270,6 +293,16 @@ class CacheCompiledFunction:
             while cause is not None:
                 if isinstance(cause, RngGraphError):
                     raise RngGraphError(str(cause)) from None
+                if type(cause).__name__ in _NOT_SAVABLE:
+                    # The backend's output cannot be saved (torch's aot_compile insists):
+                    # compile normally, without the disk cache, rather than fail.
+                    warnings.warn(
+                        f"npugraph_ex cache: {qualname} cannot be saved ({cause}); this process "
+                        "compiles it without the disk cache",
+                        CacheWarning,
+                        stacklevel=4,
+                    )
+                    return self._compile_without_cache()
                 cause = cause.__cause__ or cause.__context__
             raise
         _bump("compiled")
@@ -301,18 +334,12 @@ class CacheCompiledFunction:
         self.store.write(path, encode(metadata, payload))
         return compiled
 
-    def _compile_without_cache(self) -> Any:
-        warnings.warn(
-            f"npugraph_ex cache: torch {torch.__version__} has no aot_compile; {self.name} is "
-            "compiled without the disk cache",
-            CacheWarning,
-            stacklevel=4,
-        )
+    def _compile_without_cache(self) -> _Uncached:
         backend = self.compile_fn(self.options, self.custom_decompositions)
         compiled = torch.compile(
             self._function, fullgraph=True, backend=backend, dynamic=self.dynamic
         )
-        return compiled
+        return _Uncached(compiled)
 
 
 def cache_compile(
