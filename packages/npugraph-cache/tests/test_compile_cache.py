@@ -253,3 +253,12 @@ def test_attention_dropout_is_refused_only_when_it_draws(tmp_path: Path) -> None
         want = module.step(q)
     torch.testing.assert_close(cache_compile(module.step, cache_dir=tmp_path)(q), want)
 
+
+def test_ranks_get_their_own_folder(tmp_path: Path, block: Block) -> None:
+    x, kv = _inputs()
+    for rank in (0, 1):
+        fn = cache_compile(block.decode, cache_dir=tmp_path, global_rank=rank, tp_rank=rank)
+        torch.testing.assert_close(fn(x, kv), _eager(block, x, kv))
+        [path] = fn.entry_paths
+        assert path.parent.parent.name == f"world1global_rank{rank}_tp_rank{rank}"
+        assert path.parent.name == "decode"

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from npugraph_backend import _compat
-from npugraph_backend.compiler import CompiledGraph
+from npugraph_backend.compiler import CompiledGraph, next_graph_name
 from npugraph_backend.config import CompilerConfig
 
 _PASS_OPTIONS = ("post_grad_custom_pre_pass", "post_grad_custom_post_pass")
@@ -166,6 +166,9 @@ class SerializableCompiledGraph(_compat.OutputCode):
             raise RuntimeError("npugraph_ex: a saved compiled graph has no state to load")
         state = pickle.loads(self.state)
         state["gm"] = _compat.graph_unpickle(state["gm"], example_inputs)
+        # names (and the counters keyed by them) are per process: the saving process's
+        # "graph_1" may already exist here
+        state["name"] = next_graph_name()
         compiled = CompiledGraph.__new__(CompiledGraph)
         compiled.__setstate__(state)
         self.compiled = compiled
