@@ -109,7 +109,8 @@ def measure_interleaved(
     target_s: float = 2e-3,
 ) -> dict[str, Timing]:
     """Time several functions in rounds (one sample of each per round), so that a machine whose
-    load changes over the run slows all of them alike and their ratios stay fair."""
+    load changes over the run slows all of them alike and their ratios stay fair. Each sample
+    starts with one untimed call, so no function pays for the caches the others evicted."""
     runs = max(runs, MIN_RUNS)
     for fn in fns.values():
         for _ in range(warmup):
@@ -121,6 +122,8 @@ def measure_interleaved(
     for _ in range(runs):
         for name, fn in fns.items():
             n = inner[name]
+            fn()  # untimed: each sample starts with this function's code and data in cache
+            synchronize(device)
             start = clock()
             for _ in range(n):
                 fn()
@@ -166,6 +169,8 @@ def measure_states(
                 synchronize(device)
                 for name, fn in fns.items():
                     n = inner[name]
+                    fn()  # untimed: each sample starts with this function's code and data in cache
+                    synchronize(device)
                     start = _CLOCK()
                     for _ in range(n):
                         fn()
