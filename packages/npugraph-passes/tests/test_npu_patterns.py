@@ -46,6 +46,28 @@ SCRIPT = textwrap.dedent(
         y, _, x = npu.npu_add_rms_norm(x1, x2, g)
         return npu.npu_quantize(y, s, zp, torch.qint8, -1, True), x
 
+    def dq_flatten(x1, x2, g):
+        y, _, x = npu.npu_add_rms_norm(x1, x2, g)
+        q, sc = npu.npu_dynamic_quant(y.flatten(0, 1))
+        return q, sc.view(-1, 1), x
+
+    def dq_flatten_eps(x1, x2, g):
+        y, _, x = npu.npu_add_rms_norm(x1, x2, g, 1e-5)
+        q, sc = npu.npu_dynamic_quant(y.flatten(0, 1))
+        return q, sc.view(-1, 1), x
+
+    def cast_view(x1, x2, g):
+        y, _, x = npu.npu_add_rms_norm(x1, x2, g)
+        return y, x, y.view(-1, y.size(-1)).to(torch.float32)
+
+    def cast_view_eps(x1, x2, g):
+        y, _, x = npu.npu_add_rms_norm(x1, x2, g, 1e-5)
+        return y, x, y.view(-1, y.size(-1)).to(torch.float32)
+
+    def cast_view_other(x1, x2, g):
+        y, _, x = npu.npu_add_rms_norm(x1, x2, g)
+        return y, x, y.view(-1, 8).to(torch.float32)
+
     def tbmm(a, b):
         return (torch.bmm(a, b).transpose(0, 1),)
 
@@ -62,6 +84,11 @@ SCRIPT = textwrap.dedent(
         "quant_float32": (quant, [t(2, 16, dtype=torch.float32), t(2, 16, dtype=torch.float32),
                                   t(16, dtype=torch.float32), t(16, dtype=torch.float32).abs() + 0.5,
                                   torch.zeros(16)]),
+        "dq_flatten": (dq_flatten, [t(2, 3, 16), t(2, 3, 16), t(16)]),
+        "dq_flatten_eps": (dq_flatten_eps, [t(2, 3, 16), t(2, 3, 16), t(16)]),
+        "cast_view": (cast_view, [t(2, 3, 16), t(2, 3, 16), t(16)]),
+        "cast_view_eps": (cast_view_eps, [t(2, 3, 16), t(2, 3, 16), t(16)]),
+        "cast_view_other": (cast_view_other, [t(2, 3, 16), t(2, 3, 16), t(16)]),
         "tbmm": (tbmm, [t(4, 2, 128, dtype=torch.float32), t(4, 128, 128, dtype=torch.float32)]),
         "tbmm_small_k": (tbmm, [t(4, 2, 64, dtype=torch.float32), t(4, 64, 128, dtype=torch.float32)]),
     }
@@ -100,6 +127,10 @@ def report() -> dict[str, dict[str, object]]:
         ("cast", "npu.npu_add_rms_norm_cast.default"),
         ("quant", "npu.npu_add_rms_norm_quant.default"),
         ("tbmm", "npu.npu_transpose_batchmatmul.default"),
+        ("dq_flatten", "npu.npu_add_rms_norm_dynamic_quant.default"),
+        ("dq_flatten_eps", "npu.npu_add_rms_norm_dynamic_quant.default"),
+        ("cast_view", "npu.npu_add_rms_norm_cast.default"),
+        ("cast_view_eps", "npu.npu_add_rms_norm_cast.default"),
     ],
 )
 def test_npu_rule_fires_and_keeps_results(report: dict[str, dict[str, object]], case: str, fused: str) -> None:
@@ -108,8 +139,9 @@ def test_npu_rule_fires_and_keeps_results(report: dict[str, dict[str, object]], 
     assert report[case]["same"] is True
 
 
-@pytest.mark.parametrize("case", ["quant_int8_zero_points", "quant_float32", "tbmm_small_k"])
+@pytest.mark.parametrize("case", ["quant_int8_zero_points", "quant_float32", "tbmm_small_k", "cast_view_other"])
 def test_npu_rule_refuses_what_the_fused_kernel_does_not_take(report: dict[str, dict[str, object]], case: str) -> None:
     targets = report[case]["targets"]
-    assert not any("npu_add_rms_norm_quant" in t or "transpose_batchmatmul" in t for t in targets)  # type: ignore[union-attr]
+    fused = ("npu_add_rms_norm_quant", "transpose_batchmatmul", "npu_add_rms_norm_cast")
+    assert not any(f in t for f in fused for t in targets)  # type: ignore[union-attr]
     assert report[case]["same"] is True

@@ -1,8 +1,9 @@
 """Ascend fusion rules, registered only when torch_npu provides every op a rule uses.
 
 * ``npu_add_rms_norm`` + ``npu_dynamic_quant`` -> ``npu_add_rms_norm_dynamic_quant``
-  (with and without epsilon, with and without the residual output);
-* ``npu_add_rms_norm`` + cast to float32 -> ``npu_add_rms_norm_cast``;
+  (with and without epsilon, with and without the residual output, and quantising
+  ``y.flatten(0, 1)`` with ``scale.view(-1, 1)``);
+* ``npu_add_rms_norm`` + cast to float32 (also through ``view(-1, h)``) -> ``npu_add_rms_norm_cast``;
 * ``npu_add_rms_norm`` + ``npu_quantize`` (last axis) -> ``npu_add_rms_norm_quant``;
 * ``bmm`` + ``transpose(0, 1)`` -> ``npu_transpose_batchmatmul`` (3-D half/bfloat16/float
   inputs, K and N multiples of 128, K < 65536).
@@ -13,6 +14,7 @@ A rule that cannot be traced on the installed torch_npu is skipped with a warnin
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -157,6 +159,112 @@ def _examples(kind: str) -> list[torch.Tensor]:
     return [*base, torch.empty(2, dtype=half), torch.empty(2, dtype=half)]
 
 
+def _view_node(match: Any, base_target: Any) -> Any:
+    return next((n for n in match.nodes if n.target is torch.ops.aten.view.default
+                 and getattr(n.args[0], "target", None) is operator.getitem
+                 and getattr(n.args[0].args[0], "target", None) is base_target), None)
+
+
+def _x1_shape(match: Any) -> tuple[Any, ...] | None:
+    x1 = match.kwargs.get("x1")
+    val = x1.meta.get("val") if x1 is not None else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def _flatten_check(match: Any) -> bool:
+    """The view feeding the quantisation merges the first two dimensions of a 3-D input."""
+    shape, view = _x1_shape(match), _view_node(match, _npu_op("npu_add_rms_norm"))
+    if shape is None or view is None or len(shape) != 3:
+        return False
+    size = list(view.args[1])
+    return len(size) == 2 and size[1] in (shape[2], -1) and size[0] in (shape[0] * shape[1], -1)
+
+
+def _last_dim_check(match: Any) -> bool:
+    """The view before the cast is ``view(-1, h)`` with ``h`` the input's last dimension."""
+    shape, view = _x1_shape(match), _view_node(match, _npu_op("npu_add_rms_norm"))
+    if shape is None or view is None:
+        return False
+    size = list(view.args[1])
+    return len(size) == 2 and size[0] == -1 and size[1] == shape[-1]
+
+
+def _view_rules(with_epsilon: bool) -> list[tuple[str, tuple[str, ...], Callable[..., Any], Callable[..., Any], str, Callable[[Any], bool], Any, dict[str, float] | None]]:
+    """Rules whose search side has views of data-dependent sizes: their patterns are built by
+    hand (sizes ignored, checked by the extra check) instead of traced."""
+    pm = _compat.pattern_matcher()
+    aten = torch.ops.aten
+    norm_op = _npu_op("npu_add_rms_norm")
+    eps_args = [pm.KeywordArg("epsilon")] if with_epsilon else []
+    suffix = "_epsilon" if with_epsilon else ""
+
+    def norm() -> Any:
+        return pm.CallFunction(norm_op, pm.KeywordArg("x1"), pm.KeywordArg("x2"), pm.KeywordArg("gamma"),
+                               *eps_args, _users=2)
+
+    n1 = norm()
+    quant = pm.CallFunction(_npu_op("npu_dynamic_quant"),
+                            pm.CallFunction(aten.view.default, pm.CallFunction(operator.getitem, n1, 0), pm.Ignored()),
+                            _users=2)
+    dq_pattern = pm.MultiOutputPattern([
+        pm.CallFunction(operator.getitem, quant, 0),
+        pm.CallFunction(aten.view.default, pm.CallFunction(operator.getitem, quant, 1), [-1, 1]),
+        pm.CallFunction(operator.getitem, n1, 2),
+    ])
+    n2 = norm()
+    y = pm.CallFunction(operator.getitem, n2, 0, _users=2)
+    cast_pattern = pm.MultiOutputPattern([
+        y,
+        pm.CallFunction(operator.getitem, n2, 2),
+        pm.CallFunction(aten._to_copy.default, pm.CallFunction(aten.view.default, y, [-1, pm.Ignored()]),
+                        dtype=torch.float32),
+    ])
+
+    def eps_kw(epsilon: Any) -> dict[str, Any]:
+        return {"epsilon": epsilon} if with_epsilon else {}
+
+    def dq_search(x1: Any, x2: Any, gamma: Any, epsilon: Any = None) -> Any:
+        raise NotImplementedError  # the hand-built pattern is used instead
+
+    def dq_replace(x1: Any, x2: Any, gamma: Any, epsilon: Any = None) -> Any:
+        q, _, x, scale, _ = _npu_op("npu_add_rms_norm_dynamic_quant")(
+            x1, x2, gamma, output_mask=[True, False], **eps_kw(epsilon))
+        return q.flatten(0, 1), scale.view(-1, 1), x
+
+    def cast_replace(x1: Any, x2: Any, gamma: Any, epsilon: Any = None) -> Any:
+        args = (epsilon,) if with_epsilon else ()
+        y32, y_, _, x = _npu_op("npu_add_rms_norm_cast")(x1, x2, gamma, *args)
+        return y_, x, y32.view(-1, y_.size(-1))
+
+    if with_epsilon:
+        def dq_s(x1: Any, x2: Any, gamma: Any, epsilon: Any) -> Any:
+            return dq_search(x1, x2, gamma, epsilon)
+
+        def dq_r(x1: Any, x2: Any, gamma: Any, epsilon: Any) -> Any:
+            return dq_replace(x1, x2, gamma, epsilon)
+
+        def cast_r(x1: Any, x2: Any, gamma: Any, epsilon: Any) -> Any:
+            return cast_replace(x1, x2, gamma, epsilon)
+    else:
+        def dq_s(x1: Any, x2: Any, gamma: Any) -> Any:  # type: ignore[misc]
+            return dq_search(x1, x2, gamma)
+
+        def dq_r(x1: Any, x2: Any, gamma: Any) -> Any:  # type: ignore[misc]
+            return dq_replace(x1, x2, gamma)
+
+        def cast_r(x1: Any, x2: Any, gamma: Any) -> Any:  # type: ignore[misc]
+            return cast_replace(x1, x2, gamma)
+
+    scalars = {"epsilon": 2e-6} if with_epsilon else None
+    return [
+        (f"add_rms_norm_dynamic_quant_flatten{suffix}", ("npu_add_rms_norm", "npu_dynamic_quant",
+                                                         "npu_add_rms_norm_dynamic_quant"),
+         dq_s, dq_r, "norm3", _flatten_check, dq_pattern, scalars),
+        (f"add_rms_norm_cast_view{suffix}", ("npu_add_rms_norm", "npu_add_rms_norm_cast"),
+         dq_s, cast_r, "norm3", _last_dim_check, cast_pattern, scalars),
+    ]
+
+
 def register_npu_patterns(register: Callable[..., None]) -> int:
     """Registers the NPU rules whose ops exist (none without torch_npu); returns how many."""
     if getattr(torch.ops, "npu", None) is None or (not _have("npu_add_rms_norm") and not _have(
@@ -165,13 +273,17 @@ def register_npu_patterns(register: Callable[..., None]) -> int:
         return 0
     from npugraph_passes.fusion import fwd_only
 
+    rules = [(name, ops, search, replace, kind, check, None, scalars)
+             for name, ops, search, replace, kind, check, scalars in _rules()]
+    if _have("npu_add_rms_norm", "npu_dynamic_quant", "npu_add_rms_norm_dynamic_quant", "npu_add_rms_norm_cast"):
+        rules += _view_rules(False) + _view_rules(True)
     count = 0
-    for name, ops, search, replace, kind, check, scalars in _rules():
+    for name, ops, search, replace, kind, check, pattern, scalars in rules:
         if not _have(*ops):
             continue
         try:
             with _compat.fake_tensor_mode():
-                register(search, replace, _examples(kind), fwd_only, check, None, scalars, False)
+                register(search, replace, _examples(kind), fwd_only, check, pattern, scalars, False)
         except Exception as exc:
             log.warning("npugraph_ex: NPU fusion rule %s could not be traced (%s); it is skipped", name, exc)
             continue
