@@ -207,14 +207,16 @@ def build_decoder(
     """Build a seeded model with random weights and a static cache of ``max_len`` positions.
 
     family "llama"/"gpt2" need transformers; without it they fall back to "builtin" and say so
-    in ``Decoder.note``. dtype defaults to float32 on the CPU and bfloat16 elsewhere."""
+    in ``Decoder.note``. dtype defaults to float32 on the CPU and for "tiny", else bfloat16."""
     if family not in FAMILIES:
         raise ValueError(f"family={family!r} is not allowed: use one of {', '.join(FAMILIES)}")
     if size not in SIZES:
         raise ValueError(f"size={size!r} is not allowed: use one of {', '.join(SIZES)}")
     dev = torch.device(device) if device is not None else best_device()
     if dtype is None:
-        dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+        # Tiny models stay in float32 everywhere, so greedy tokens compare exactly across
+        # compilers; the 1B models run in bfloat16 on accelerators, as they would be served.
+        dtype = torch.float32 if dev.type == "cpu" or size == "tiny" else torch.bfloat16
     note = ""
     if family != "builtin" and not has_transformers():
         note = f"transformers is not installed: using the built-in tiny transformer instead of {family}"
