@@ -193,3 +193,40 @@ def test_user_pass_error_names_the_pass() -> None:
     with pytest.raises(Exception, match="post_grad_custom_post_pass") as info, torch.no_grad():
         compiled(torch.randn(3, 4))
     assert "ValueError: bad rewrite" in str(info.value)
+
+
+@torch.library.custom_op("npugraph_backend_test::write_cache", mutates_args=("cache",))
+def write_cache(cache: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> None:
+    cache.index_copy_(2, pos, new)
+
+
+@write_cache.register_fake
+def _(cache: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> None:
+    return None
+
+
+class CustomOpCache(torch.nn.Module):
+    """A KV cache written by a custom op with a mutable argument (what attention backends do)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("k", torch.zeros(1, 2, 16, 8))
+
+    def forward(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        torch.ops.npugraph_backend_test.write_cache(self.k, pos, x)
+        return torch.nn.functional.scaled_dot_product_attention(x, self.k, self.k)
+
+
+def test_custom_op_cache_is_written_in_place_not_cloned() -> None:
+    seen = Seen()
+    eager, model = CustomOpCache().eval(), CustomOpCache().eval()
+    compiled = _compile(model, post_grad_custom_post_pass=seen)
+    with torch.no_grad():
+        for step in range(3):
+            x = torch.randn(1, 2, 1, 8)
+            pos = torch.tensor([step])
+            torch.testing.assert_close(compiled(x, pos), eager(x, pos))
+    torch.testing.assert_close(model.k, eager.k)
+    assert seen.count(torch.ops.npugraph_backend_test.write_cache.default) == 1
+    assert seen.count(aten.clone.default) == 0
+    assert seen.input_copies() == 0

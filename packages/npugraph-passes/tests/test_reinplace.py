@@ -327,3 +327,53 @@ def test_view_of_a_dropped_copy_still_counts_as_reading_the_input() -> None:
     gm, _ = _optimise(step, inputs, remove_noop_ops, inplace_pass, input_inplace_pass)
     assert _counts(gm)[aten.cat.default] == 0
     assert _counts(gm)[aten.index_copy_.default] == 0
+
+
+@torch.library.custom_op("npugraph_passes_test::update_cache", mutates_args=("cache",))
+def update_cache(cache: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> None:
+    cache.index_copy_(0, pos, new)
+
+
+@update_cache.register_fake
+def _(cache: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> None:
+    return None
+
+
+def test_custom_op_mutating_the_cache_writes_it_directly() -> None:
+    def step(cache: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor]:
+        torch.ops.npugraph_passes_test.update_cache(cache, pos, new * 2)
+        return (cache.sum(0),)
+
+    inputs = [torch.randn(6, 4), torch.tensor([1, 4]), torch.randn(2, 4)]
+    gm, ref = _optimise(step, inputs, input_inplace_pass)
+    assert any("auto_functionalized" in str(t) for t in _counts(ref))
+    counts = _counts(gm)
+    assert not any("auto_functionalized" in str(t) for t in counts)
+    assert counts[torch.ops.npugraph_passes_test.update_cache.default] == 1
+    assert counts[aten.clone.default] == 0
+    assert _input_copies(gm) == 0
+
+
+def test_custom_op_cache_read_after_the_update_is_cloned() -> None:
+    def step(cache: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        old = cache.clone()
+        torch.ops.npugraph_passes_test.update_cache(cache, pos, new)
+        return old + cache, cache.sum()
+
+    inputs = [torch.randn(6, 4), torch.tensor([1, 4]), torch.randn(2, 4)]
+    gm, _ = _optimise(step, inputs, remove_noop_ops, input_inplace_pass)
+    assert _counts(gm)[torch.ops.npugraph_passes_test.update_cache.default] == 0
+    assert _input_copies(gm) == 1
+
+
+def test_custom_op_on_an_intermediate_skips_the_clone() -> None:
+    def step(x: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor]:
+        buf = x * 2
+        torch.ops.npugraph_passes_test.update_cache(buf, pos, new)
+        return (buf.relu(),)
+
+    inputs = [torch.randn(6, 4), torch.tensor([1, 4]), torch.randn(2, 4)]
+    gm, _ = _optimise(step, inputs, input_inplace_pass)
+    counts = _counts(gm)
+    assert counts[torch.ops.npugraph_passes_test.update_cache.default] == 1
+    assert counts[aten.clone.default] == 0

@@ -212,3 +212,20 @@ def compiled_inference_graphs(fn: Callable[..., Any], example_inputs: Any) -> li
     with torch.no_grad():
         torch.compile(fn, backend=backend, fullgraph=True)(*clones)
     return captured
+
+
+# Functionalized custom ops with mutable arguments, and inductor's decomposition of them into
+# (selective) clones plus the mutating op. Checked on 2.13.0: auto_functionalized (v1: mutable
+# args by name, meta["only_clone_these_tensors"] = names) and auto_functionalized_v2 (bases in
+# kwargs["_all_bases"], meta["only_clone_these_tensors"] = base indices).
+def auto_functionalized_ops() -> tuple[Any, Any]:
+    higher_order = torch.ops.higher_order
+    return (getattr(higher_order, "auto_functionalized", None),
+            getattr(higher_order, "auto_functionalized_v2", None))
+
+
+def decompose_auto_functionalized(graph: torch.fx.Graph) -> None:
+    from torch._inductor.fx_passes import post_grad
+
+    decompose: Any = post_grad.decompose_auto_functionalized
+    decompose(graph)
