@@ -237,7 +237,17 @@ def test_side_stream_reader_ordered_by_event_allows_input_reinplace() -> None:
     _compare(gm, reference, inputs)
 
 
-MUTATIONS = ["index_copy", "add", "slice", "index_put", "read_old", "mul_out", "scatter"]
+@torch.library.custom_op("npugraph_passes_test::update_cache", mutates_args=("cache",))
+def update_cache(cache: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> None:
+    cache.index_copy_(0, pos, new)
+
+
+@update_cache.register_fake
+def _(cache: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> None:
+    return None
+
+
+MUTATIONS = ["index_copy", "add", "slice", "index_put", "read_old", "mul_out", "scatter", "custom"]
 
 
 @settings(max_examples=25, deadline=None)
@@ -260,6 +270,8 @@ def test_generated_mutation_chains_match_the_functional_graph(steps: list[str], 
                 cache.copy_(new.sum(0) * torch.ones_like(cache))
             elif s == "scatter":
                 cache.scatter_(0, pos[:, None].expand(2, 4), new)
+            elif s == "custom":
+                torch.ops.npugraph_passes_test.update_cache(cache, pos, new * 3)
         if read_at_end:
             outs.append(cache.sum(0))
         return (*outs, new * 2)
@@ -327,16 +339,6 @@ def test_view_of_a_dropped_copy_still_counts_as_reading_the_input() -> None:
     gm, _ = _optimise(step, inputs, remove_noop_ops, inplace_pass, input_inplace_pass)
     assert _counts(gm)[aten.cat.default] == 0
     assert _counts(gm)[aten.index_copy_.default] == 0
-
-
-@torch.library.custom_op("npugraph_passes_test::update_cache", mutates_args=("cache",))
-def update_cache(cache: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> None:
-    cache.index_copy_(0, pos, new)
-
-
-@update_cache.register_fake
-def _(cache: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> None:
-    return None
 
 
 def test_custom_op_mutating_the_cache_writes_it_directly() -> None:
