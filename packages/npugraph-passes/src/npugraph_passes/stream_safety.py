@@ -2,10 +2,13 @@
 
 A user stream is entered with ``npugraph_ex.scope_enter(["_user_stream_label", ...], [label,
 ...])`` and left with ``npugraph_ex.scope_exit()``; nodes outside any such scope run on the
-default stream (label None). Two nodes on different streams are ordered only by an event: a
-``npugraph_ex.record()`` on the first one's stream after it, and a ``npugraph_ex.wait([...])``
-of that record on the second one's stream before the second node. Rewrites that make a write
-happen earlier (re-inplacing) or share a buffer across streams ask :func:`ordered` first.
+default stream (label None). On one stream nodes run in graph order. Across streams the only
+order is made by ``npugraph_ex.wait([x, ...])``: the nodes after the wait, on the waiting
+stream, run after ``x`` (usually a ``npugraph_ex.record()``) and everything before ``x`` on its
+stream — transitively, through any chain of waits. Each node carries a vector clock (per stream,
+the last position known to have run before it); ``a`` runs before ``b`` when ``b``'s clock for
+``a``'s stream reaches ``a``. Rewrites that make a write happen earlier (re-inplacing) or
+share a buffer across streams ask :meth:`StreamMap.ordered` first.
 """
 
 from __future__ import annotations
@@ -42,15 +45,15 @@ def is_wait(node: torch.fx.Node) -> bool:
 
 
 class StreamMap:
-    """Stream label of every node (None = the default stream) and the graph's event pairs."""
+    """Stream label of every node (None = the default stream) and the happens-before order."""
 
     def __init__(self, graph: torch.fx.Graph) -> None:
         self.label: dict[torch.fx.Node, str | None] = {}
         self.position: dict[torch.fx.Node, int] = {}
-        self.records: list[torch.fx.Node] = []
-        self.waits: list[torch.fx.Node] = []
+        self.clock: dict[torch.fx.Node, dict[str | None, int]] = {}
         stack: list[str | None] = []
         current: str | None = None
+        running: dict[str | None, dict[str | None, int]] = {}
         for i, node in enumerate(graph.nodes):
             self.position[node] = i
             if is_scope_enter(node):
@@ -62,33 +65,26 @@ class StreamMap:
             elif is_scope_exit(node):
                 current = stack.pop() if stack else None
             self.label[node] = current
-            if is_record(node):
-                self.records.append(node)
-            elif is_wait(node):
-                self.waits.append(node)
+            clock = running.setdefault(current, {})
+            if is_wait(node):
+                waited = node.args[0] if node.args else node.kwargs.get("nodes", ())
+                for w in waited if isinstance(waited, (list, tuple)) else ():
+                    for stream, pos in self.clock.get(w, {}).items() if isinstance(w, torch.fx.Node) else ():
+                        if clock.get(stream, -1) < pos:
+                            clock[stream] = pos
+            clock[current] = i
+            self.clock[node] = dict(clock)
         self.multi_stream = any(v is not None for v in self.label.values())
 
-    def _event_between(self, first: torch.fx.Node, second: torch.fx.Node) -> bool:
-        """A record on ``first``'s stream after it, waited on ``second``'s stream before it."""
-        s1, s2 = self.label.get(first), self.label.get(second)
-        p1, p2 = self.position[first], self.position[second]
-        for wait in self.waits:
-            pw = self.position[wait]
-            if not (p1 < pw < p2) or self.label.get(wait) != s2:
-                continue
-            waited = wait.args[0] if wait.args else ()
-            for rec in waited if isinstance(waited, (list, tuple)) else ():
-                if (isinstance(rec, torch.fx.Node) and is_record(rec) and self.label.get(rec) == s1
-                        and p1 < self.position[rec] < pw):
-                    return True
-        return False
-
     def ordered(self, a: torch.fx.Node, b: torch.fx.Node) -> bool:
-        """True when ``a`` and ``b`` run in graph order: same stream, or an event between them."""
-        if self.label.get(a) == self.label.get(b):
+        """True when ``a`` and ``b`` cannot run at the same time: same stream, or the later one
+        waits (through events, transitively) for the earlier one."""
+        if a not in self.position or b not in self.position:
+            return not self.multi_stream  # made after the analysis: its stream is not known
+        if self.label[a] == self.label[b]:
             return True
         first, second = (a, b) if self.position[a] < self.position[b] else (b, a)
-        return self._event_between(first, second)
+        return self.clock[second].get(self.label.get(first), -1) >= self.position[first]
 
     def all_ordered(self, node: torch.fx.Node, others: list[torch.fx.Node]) -> bool:
         return all(self.ordered(node, o) for o in others)
