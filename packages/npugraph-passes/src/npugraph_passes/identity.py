@@ -11,9 +11,8 @@ import functools
 import hashlib
 import inspect
 import marshal
-import sys
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -63,15 +62,6 @@ def source_digest(obj: object) -> str:
         else:
             h.update(f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', repr(target))}".encode())
     return h.hexdigest()
-
-
-def module_digest(fn: Callable[..., object]) -> str:
-    """sha256 of the whole module that defines ``fn``: a built-in pass changes when any helper
-    of its module changes, not only its own body."""
-    module = sys.modules.get(getattr(fn, "__module__", ""), None)
-    if module is None:
-        return source_digest(fn)
-    return source_digest(module)
 
 
 @functools.cache

@@ -37,9 +37,3 @@ def out_overload(op: object) -> Any:
         if _signature(cs, drop_out=True) == want:
             return cand
     return None
-
-
-def has_out_overload(op: object) -> bool:
-    return out_overload(op) is not None
-
-

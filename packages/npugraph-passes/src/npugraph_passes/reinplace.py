@@ -168,10 +168,6 @@ def _refresh_views(root: torch.fx.Node, an: _Analysis) -> None:
         todo.extend(u for u in view.users if u.target in _VIEW_TARGETS)
 
 
-def _tensor_args(node: torch.fx.Node) -> list[torch.fx.Node]:
-    return [a for a in node.all_input_nodes if _val(a) is not None]
-
-
 def _fits_in_place(node: torch.fx.Node, dst: torch.fx.Node) -> bool:
     out, buf = _val(node), _val(dst)
     if out is None or buf is None:
