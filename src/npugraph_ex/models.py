@@ -30,7 +30,8 @@ LLAMA_CONFIGS: dict[str, dict[str, Any]] = {
                num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048),
 }
 GPT2_CONFIGS: dict[str, dict[str, Any]] = {
-    "tiny": dict(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256),
+    "tiny": dict(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256,
+                 bos_token_id=0, eos_token_id=0),
     # Between GPT-2 large and XL: about 1.0B parameters.
     "1b": dict(vocab_size=50257, n_embd=1536, n_layer=32, n_head=16, n_positions=1024),
 }
@@ -111,6 +112,44 @@ class Decoder:
     def position(self, i: int) -> torch.Tensor:
         return torch.tensor([i], device=self.device, dtype=torch.long)
 
+    def cache_tensors(self) -> list[torch.Tensor]:
+        """Every tensor the cache holds: keys and values, and in transformers 5.x the write
+        position each layer advances in place (``cumulative_length``)."""
+        if self.family == "builtin":
+            return list(self.model.buffers())
+        found: dict[int, torch.Tensor] = {}
+        _collect_tensors(self.cache, found, depth=0)
+        return list(found.values())
+
+    def checkpoint(self) -> Callable[[], None]:
+        """A function that puts the cache back, in place, to its state now (say, after the
+        prefill), so that a benchmark can repeat one decode step as often as it likes: in
+        transformers 5.x every step also moves the cache's write position on."""
+        saved = [(t, t.clone()) for t in self.cache_tensors()]
+
+        def restore() -> None:
+            with torch.no_grad():
+                for tensor, copy in saved:
+                    tensor.copy_(copy)
+
+        return restore
+
+
+def _collect_tensors(obj: object, found: dict[int, torch.Tensor], depth: int) -> None:
+    if isinstance(obj, torch.Tensor):
+        found.setdefault(id(obj), obj)
+    elif depth > 4 or isinstance(obj, (str, bytes, int, float, bool, nn.Module)) or obj is None:
+        return
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            _collect_tensors(item, found, depth + 1)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            _collect_tensors(item, found, depth + 1)
+    elif hasattr(obj, "__dict__") and type(obj).__module__.startswith("transformers.cache"):
+        for item in vars(obj).values():
+            _collect_tensors(item, found, depth + 1)
+
 
 def _vocab_of(model: nn.Module) -> int:
     emb = model.get_input_embeddings()  # type: ignore[operator]
@@ -124,13 +163,16 @@ def decoder_logits(
     if family == "builtin":
         out: torch.Tensor = model(ids, positions)
         return out
+    params = _forward_params(type(model))
+    # transformers 5.x renamed past_key_values to cache (5.40 drops the old name) and dropped
+    # cache_position (positions come from position_ids); 4.x takes both old names.
     kwargs: dict[str, Any] = {
         "input_ids": ids,
         "position_ids": positions.unsqueeze(0).expand(ids.shape[0], -1),
-        "past_key_values": cache,
+        "cache" if "cache" in params else "past_key_values": cache,
         "use_cache": True,
     }
-    if _takes_cache_position(type(model)):
+    if "cache_position" in params:
         kwargs["cache_position"] = positions
     result = model(**kwargs)
     logits = result.logits if hasattr(result, "logits") else result[0]
@@ -138,16 +180,16 @@ def decoder_logits(
     return logits
 
 
-_TAKES_CACHE_POSITION: dict[type, bool] = {}
+_FORWARD_PARAMS: dict[type, frozenset[str]] = {}
 
 
-def _takes_cache_position(cls: type) -> bool:
-    """transformers 4.x and 5.x forwards take cache_position; a release without it gets none."""
-    if cls not in _TAKES_CACHE_POSITION:
+def _forward_params(cls: type) -> frozenset[str]:
+    """The named parameters of a model class's forward (read once per class)."""
+    if cls not in _FORWARD_PARAMS:
         forward = getattr(cls, "forward", None)
-        params = inspect.signature(forward).parameters if forward is not None else {}
-        _TAKES_CACHE_POSITION[cls] = "cache_position" in params
-    return _TAKES_CACHE_POSITION[cls]
+        names = inspect.signature(forward).parameters if forward is not None else {}
+        _FORWARD_PARAMS[cls] = frozenset(names)
+    return _FORWARD_PARAMS[cls]
 
 
 def _make_step(

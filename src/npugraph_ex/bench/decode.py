@@ -56,6 +56,7 @@ def _one_model(ctx: BenchContext, sec: Section, family: str, size: str) -> None:
     label = f"{family}-{size}"
     token = dec.prefill(dec.prompt(PROMPT))
     position = dec.position(PROMPT)
+    restore = dec.checkpoint()  # every sample decodes from the same cache state
     with torch.no_grad():
         expected = dec.step(token, position)
     results: dict[str, dict[str, object]] = {}
@@ -74,6 +75,7 @@ def _one_model(ctx: BenchContext, sec: Section, family: str, size: str) -> None:
             with time_limit(budget), torch.no_grad():
                 step = compile_with(own_code(dec.step, name.replace("-", "_")), name)
                 for _ in range(3):  # compile, warm up, capture
+                    restore()
                     got = step(token, position)
                 synchronize(ctx.device)
             compile_s = time.perf_counter() - start
@@ -91,7 +93,9 @@ def _one_model(ctx: BenchContext, sec: Section, family: str, size: str) -> None:
 
         compiled[name] = call
     ctx.say(f"timing {label}: {', '.join(compiled)} interleaved, {ctx.runs} rounds")
-    timings = measure_interleaved(compiled, device=ctx.device, runs=ctx.runs, target_s=5e-3)
+    timings = measure_interleaved(compiled, device=ctx.device, runs=ctx.runs, target_s=5e-3,
+                                  setup=restore, max_inner=dec.max_len - PROMPT - 2)
+    restore()
     bars: dict[str, float] = {}
     for name, timing in timings.items():
         results[name].update(ms=timing.median * 1e3, p10_ms=timing.p10 * 1e3,

@@ -72,7 +72,7 @@ def stack_of_about(ops: int, device: torch.device) -> tuple[nn.Module, torch.Ten
 
 def run(ctx: BenchContext) -> Section:
     sec = Section("b", "runtime replay vs GraphModule vs eager", bar_unit="µs per call")
-    workloads: list[tuple[str, Callable[[], tuple[Callable[[], Any], Traced]]]] = [
+    workloads: list[tuple[str, Callable[[], tuple[Callable[[], Any], Traced, Callable[[], None] | None]]]] = [
         (f"transformer stack (~{STACK_OPS} ops)", lambda: _stack(ctx)),
         ("llama decode step", lambda: _llama(ctx)),
     ]
@@ -84,27 +84,32 @@ def run(ctx: BenchContext) -> Section:
         sec.figures.append(Figure.skip("replay / GraphModule", fmt_exc(exc), f"<= {TARGET}x"))
         ngr = None
     for label, build in ctx.steps(workloads, desc="replay"):
-        eager, traced = build()
-        _one(ctx, sec, label, eager, traced, ngr)
+        eager, traced, restore = build()
+        _one(ctx, sec, label, eager, traced, ngr, restore)
     return sec
 
 
-def _stack(ctx: BenchContext) -> tuple[Callable[[], Any], Traced]:
+def _stack(ctx: BenchContext) -> tuple[Callable[[], Any], Traced, None]:
     model, x, traced = stack_of_about(STACK_OPS, ctx.device)
-    return (lambda: model(x)), traced
+    return (lambda: model(x)), traced, None
 
 
-def _llama(ctx: BenchContext) -> tuple[Callable[[], Any], Traced]:
+def _llama(ctx: BenchContext) -> tuple[Callable[[], Any], Traced, Callable[[], None]]:
     dec = build_decoder("llama", "tiny" if ctx.on_cpu else "1b", ctx.device,
                         max_len=64 if ctx.on_cpu else 256)
     token = dec.prefill(dec.prompt(8))
     position = dec.position(8)
-    return (lambda: dec.step(token, position)), trace_aot(dec.step, token, position)
+    restore = dec.checkpoint()  # every call decodes from the same cache state
+    traced = trace_aot(dec.step, token, position)
+    restore()
+    return (lambda: dec.step(token, position)), traced, restore
 
 
 def _one(ctx: BenchContext, sec: Section, label: str, eager: Callable[[], Any], traced: Traced,
-         ngr: Any) -> None:
+         ngr: Any, restore: Callable[[], None] | None) -> None:
     dev = ctx.device
+    prepare = restore or (lambda: None)
+    prepare()
     with torch.no_grad():
         reference = traced()
     fns: dict[str, Callable[[], Any]] = {"eager": eager, "GraphModule": traced}
@@ -114,8 +119,10 @@ def _one(ctx: BenchContext, sec: Section, label: str, eager: Callable[[], Any], 
         try:
             g = ngr.Graph(dev)
             with torch.no_grad():
+                prepare()
                 with ngr.graph(g):
                     static_out = traced()
+                prepare()
                 g.replay()
             synchronize(dev)
             same = _equal(static_out, reference)
@@ -126,9 +133,12 @@ def _one(ctx: BenchContext, sec: Section, label: str, eager: Callable[[], Any], 
             sec.figures.append(Figure.skip(f"{label}: replay / GraphModule",
                                            f"capture failed: {fmt_exc(exc)}", f"<= {TARGET}x"))
     if dev.type == "cuda":
+        prepare()
         fns["torch.cuda.CUDAGraph replay"] = _torch_cuda_graph(traced)
     with torch.no_grad():
-        timings = measure_interleaved(fns, device=dev, runs=ctx.runs)
+        timings = measure_interleaved(fns, device=dev, runs=ctx.runs, setup=restore,
+                                      max_inner=40)
+    prepare()
     us = {name: t.median * 1e6 for name, t in timings.items()}
     entry.update({f"{name} (µs)": v for name, v in us.items()})
     sec.figures.append(Figure(f"{label}: ATen ops", float(traced.ops()), ""))

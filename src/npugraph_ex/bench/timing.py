@@ -107,22 +107,33 @@ def measure_interleaved(
     runs: int = MIN_RUNS,
     warmup: int = 5,
     target_s: float = 2e-3,
+    setup: Callable[[], None] | None = None,
+    max_inner: int = 1000,
 ) -> dict[str, Timing]:
     """Time several functions in rounds (one sample of each per round), so that a machine whose
     load changes over the run slows all of them alike and their ratios stay fair. Each sample
-    starts with one untimed call, so no function pays for the caches the others evicted."""
+    starts with one untimed call, so no function pays for the caches the others evicted.
+    `setup` (untimed) runs before every sample and warm call: it restores state the functions
+    move on, such as a KV cache's write position; `max_inner` bounds the calls per sample."""
     runs = max(runs, MIN_RUNS)
+    prepare = setup or (lambda: None)
     for fn in fns.values():
         for _ in range(warmup):
+            prepare()
             fn()
-    inner = {name: inner_for(fn, device, target_s) for name, fn in fns.items()}
+    inner = {}
+    for name, fn in fns.items():
+        prepare()
+        inner[name] = min(max_inner, inner_for(fn, device, target_s))
     samples: dict[str, list[float]] = {name: [] for name in fns}
     clock = _CLOCK
     synchronize(device)
     for _ in range(runs):
         for name, fn in fns.items():
             n = inner[name]
+            prepare()
             fn()  # untimed: each sample starts with this function's code and data in cache
+            prepare()
             synchronize(device)
             start = clock()
             for _ in range(n):
