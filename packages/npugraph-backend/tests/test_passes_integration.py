@@ -146,19 +146,30 @@ def _replace_mm_add(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.
 
 
 def _search_swish(x: torch.Tensor) -> torch.Tensor:
-    return torch.sigmoid(x) * x
+    return x * torch.sigmoid(x)
 
 
 def _replace_swish(x: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.silu(x)
 
 
+def _bias_keeps_product(match: Any) -> bool:
+    # The user's guarantee: addmm(c, a, b) == mm(a, b) + c only when c broadcasts to the
+    # product's shape and has its dtype (the rule is global: every later compile uses it).
+    out = match.output_node().meta["val"]
+    a, b, c = (match.kwargs[k].meta["val"] for k in ("a", "b", "c"))
+    return bool(out.shape == (a.shape[0], b.shape[1]) and out.dtype == a.dtype == b.dtype == c.dtype)
+
+
 @functools.cache
 def _register_user_patterns() -> None:
     # Once per process: registering the same pattern twice is an error (skip_duplicates=False).
     register_replacement(_search_mm_add, _replace_mm_add,
-                         [torch.empty(2, 3), torch.empty(3, 4), torch.empty(4)], skip_duplicates=True)
-    register_replacement(_search_swish, _replace_swish, [torch.empty(4)])
+                         [torch.empty(2, 3), torch.empty(3, 4), torch.empty(4)],
+                         extra_check=_bias_keeps_product, skip_duplicates=True)
+    # Process-global rule: kept to this test's shapes (7 columns) so other tests never see it.
+    register_replacement(_search_swish, _replace_swish, [torch.empty(4)],
+                         extra_check=lambda m: m.kwargs["x"].meta["val"].shape[-1] == 7, skip_duplicates=True)
 
 
 @pytest.mark.parametrize("enabled", [True, False])
@@ -172,7 +183,7 @@ def test_register_replacement_mm_add_to_addmm_fires_only_with_pattern_fusion(ena
 
 
 def _swish_model(x: torch.Tensor) -> torch.Tensor:
-    return torch.sigmoid(x) * x + 1
+    return x * torch.sigmoid(x) + 1
 
 
 @pytest.mark.parametrize("enabled", [True, False])
@@ -180,7 +191,7 @@ def test_user_pattern_without_builtin_twin_fires_only_with_pattern_fusion(enable
     _register_user_patterns()
     seen = Seen()
     compiled = _compile(_swish_model, pattern_fusion_pass=enabled, post_grad_custom_post_pass=seen)
-    _check(compiled, _swish_model, lambda: [_seeded(3, 4)])
+    _check(compiled, _swish_model, lambda: [_seeded(3, 7)])
     assert seen.count(aten.silu.default) == (1 if enabled else 0)
     assert seen.count(aten.sigmoid.default) == (0 if enabled else 1)
 

@@ -96,10 +96,15 @@ def test_user_replacement_fires_and_respects_extra_check() -> None:
     def replace(x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.silu(x)
 
-    register_replacement(search, replace, [torch.empty(4)], extra_check=lambda m: m.kwargs["x"].meta["val"].dim() == 2)
-    _, flat = _fuse(lambda x: (torch.sigmoid(x) * x,), torch.randn(6))
+    # The rule is process-global: the check keeps it to this test's shapes (7 columns).
+    def check(match: object) -> bool:
+        val = match.kwargs["x"].meta["val"]  # type: ignore[attr-defined]
+        return bool(val.dim() == 2 and val.shape[-1] == 7)
+
+    register_replacement(search, replace, [torch.empty(4)], extra_check=check)
+    _, flat = _fuse(lambda x: (torch.sigmoid(x) * x,), torch.randn(7))
     assert flat[aten.silu.default] == 0
-    _, square = _fuse(lambda x: (torch.sigmoid(x) * x,), torch.randn(3, 6))
+    _, square = _fuse(lambda x: (torch.sigmoid(x) * x,), torch.randn(3, 7))
     assert square[aten.silu.default] == 1
     assert square[aten.sigmoid.default] == 0
 
