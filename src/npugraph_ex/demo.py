@@ -125,7 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     dec = build_decoder("llama", args.size, device, max_len=PROMPT + n + 8)
     what = f"{dec.family} ({args.size}, {dec.params / 1e6:.2f}M parameters, {dec.dtype})"
-    print(f"npugraph-ex demo on {device}: torch {torch.__version__}, {what}, "
+    env = environment(device)
+    versions = f"torch {torch.__version__}" + (f", transformers {env['transformers']}"
+                                              if env.get("transformers") else "")
+    print(f"npugraph-ex demo on {device}: {versions}; {what}; "
           f"greedy decoding of {n} tokens after a {PROMPT}-token prompt")
     if dec.note:
         print(f"note: {dec.note}")
@@ -167,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         label = "npugraph_ex" if name == OURS else name
         print(f"  {label:<12} {ms:9.3f} ms   {speedup:5.2f}x eager")
     doc = {
-        "environment": {**environment(device), "clock": clock_name},
+        "environment": {**env, "clock": clock_name},
         "model": {"family": dec.family, "size": args.size, "params": dec.params,
                   "dtype": str(dec.dtype), "note": dec.note},
         "prompt_tokens": PROMPT, "tokens": n, "tokens_identical": same,
