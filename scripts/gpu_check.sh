@@ -62,7 +62,7 @@ print("npugraph_ex", npugraph_ex.__version__, "registered:", "npugraph_ex" in to
 PYEOF
 step "pytest -m cuda" 120 "$OUT/cuda-tests.log" "$PY" -m pytest -m cuda -q -p no:cacheprovider -o addopts="--import-mode=importlib -ra"
 step "demo (cuda)" 60 "$LOG" "$PY" -m npugraph_ex.cli demo --device cuda --out "$OUT" --no-progress
-step "bench (c) decode, cuda" 240 "$LOG" "$PY" -m npugraph_ex.cli bench --device cuda --only c --out "$OUT/decode" --no-progress --inductor-budget 60
+step "bench (c) decode, cuda" 240 "$LOG" "$PY" -m npugraph_ex.cli bench --device cuda --only c --out "$OUT/decode" --no-progress --inductor-budget 60 --budget 170
 step "bench (a,g,e,b,f), cuda" 150 "$LOG" "$PY" -m npugraph_ex.cli bench --device cuda --only a,g,e,b,f --out "$OUT/rest" --no-progress --budget 110
 echo "gpu_check: $([ $status -eq 0 ] && echo ok || echo 'a step failed'); results in $OUT" | tee -a "$LOG"
 exit $status

@@ -58,8 +58,8 @@ def parser() -> argparse.ArgumentParser:
                    help="what timings read: auto (default) = the thread's CPU time on a CPU run "
                         "with one thread (immune to other processes on the machine), else wall")
     p.add_argument("--budget", type=float, default=0.0,
-                   help="seconds for the whole suite: sections not started by then are skipped "
-                        "with a note (default: no limit)")
+                   help="seconds for the whole suite: sections (and compilers in (c)) not "
+                        "started by then are skipped with a note (default: no limit)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -101,7 +101,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if threads > 0:
         torch.set_num_threads(threads)
     clock_name = use_clock(device, args.clock)
-    ctx = BenchContext(device=device, out=out, quick=args.quick, runs=runs,
+    deadline = time.monotonic() + args.budget if args.budget else None
+    ctx = BenchContext(deadline=deadline, device=device, out=out, quick=args.quick, runs=runs,
                        inductor_budget_s=args.inductor_budget, progress=not args.no_progress)
     env = environment(device)
     env["clock"] = clock_name

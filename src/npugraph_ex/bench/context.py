@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +22,10 @@ class BenchContext:
     inductor_budget_s: float = 300.0
     progress: bool = True
     log: list[str] = field(default_factory=list)
+    deadline: float | None = None  # time.monotonic() after which long work is skipped
+
+    def out_of_time(self) -> bool:
+        return self.deadline is not None and time.monotonic() > self.deadline
 
     @property
     def on_cpu(self) -> bool:

@@ -47,6 +47,9 @@ def run(ctx: BenchContext, families: tuple[str, ...] = ("llama", "gpt2")) -> Sec
     if ctx.quick:
         families = families[:1]
     for family in families:
+        if ctx.out_of_time():
+            sec.figures.append(Figure.skip(f"{family}-{size}", "not run: --budget spent"))
+            continue
         _one_model(ctx, sec, family, size)
     return sec
 
@@ -68,6 +71,9 @@ def _one_model(ctx: BenchContext, sec: Section, family: str, size: str) -> None:
     for name in ctx.steps(names, desc=f"compile {label}"):
         if name == OURS and ours_backend() is None:
             results[name] = {"skipped": ours_missing_reason()}
+            continue
+        if ctx.out_of_time() and name not in ("eager", OURS):
+            results[name] = {"skipped": "not compiled: --budget spent"}
             continue
         budget = ctx.inductor_budget_s if name in ("inductor", "reduce-overhead") else 0.0
         try:
