@@ -40,10 +40,10 @@ def test_cuda_kv_cache_index_copy_in_place(counter: Callable[[str], int]) -> Non
 
 
 @torch.no_grad()
-def test_cuda_user_pool_from_the_facade() -> None:
-    import npugraph_ex
+def test_cuda_user_pool_shared_through_use_graph_pool() -> None:
+    import npugraph_runtime
 
-    pool = npugraph_ex.graph_pool_handle("cuda")
+    pool = npugraph_runtime.graph_pool_handle("cuda")
     f = torch.compile(lambda x: x.sin() * 2, backend="npugraph_ex", fullgraph=True,
                       dynamic=False, options={"use_graph_pool": pool})
     for _ in range(3):

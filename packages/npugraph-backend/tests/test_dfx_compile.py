@@ -3,6 +3,7 @@ logging as a user meets them."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
@@ -94,6 +95,11 @@ def test_debug_dumps_of_compile_and_compile_fx(tmp_path: Path) -> None:
     assert "user" in [i["kind"] for i in spec["inputs"]] and spec["op_count"] > 0
 
 
+@pytest.mark.skipif(
+    importlib.util.find_spec("npugraph_ex") is None,
+    reason="torch parses TORCH_LOGS when torch is imported, before any backend registers its "
+    "logger; the name npugraph_ex resolves there through the npugraph-ex meta-package's module",
+)
 def test_torch_logs_shows_passes_and_captures() -> None:
     code = textwrap.dedent(
         """

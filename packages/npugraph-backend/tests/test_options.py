@@ -220,9 +220,9 @@ def test_pool_choice_within_one_fx_graph_keeps_results_right(reuse: bool) -> Non
 
 @torch.no_grad()
 def test_use_graph_pool_shared_by_two_compiled_functions() -> None:
-    import npugraph_ex
+    import npugraph_runtime
 
-    pool = npugraph_ex.graph_pool_handle("cpu")
+    pool = npugraph_runtime.graph_pool_handle("cpu")
     f = compiled(lambda x: x.sin() + 1, use_graph_pool=pool)
     g = compiled(lambda x: x.cos() * 2, use_graph_pool=pool)
     x = torch.randn(3, 3)
