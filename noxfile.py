@@ -14,6 +14,7 @@ nox.options.default_venv_backend = "venv"
 PYTHON = "3.11"
 DEFAULT_TORCH = os.environ.get("NPUGRAPH_TORCH", "2.13.0")
 TORCH_VERSIONS = ["2.13.0", "2.14.1"]
+DEFAULT_TRANSFORMERS = os.environ.get("NPUGRAPH_TRANSFORMERS", "4.57.6")
 PACKAGES = {
     "npugraph-runtime": [],
     "npugraph-passes": ["npugraph-runtime"],
@@ -30,7 +31,10 @@ def _install_torch(session: nox.Session, version: str = DEFAULT_TORCH) -> None:
 def _install_all(session: nox.Session, torch: str = DEFAULT_TORCH, extras: str = "dev,models") -> None:
     _install_torch(session, torch)
     editable = [arg for pkg in PACKAGES for arg in ("-e", f"packages/{pkg}")]
-    session.install(*editable, "-e", f".[{extras}]", f"torch=={torch}")
+    # transformers pinned for reproducible test models (the extra allows a range);
+    # NPUGRAPH_TRANSFORMERS=5.24.0 nox -s tests checks another release
+    session.install(*editable, "-e", f".[{extras}]", f"torch=={torch}",
+                    f"transformers=={DEFAULT_TRANSFORMERS}")
 
 
 def _pytest(session: nox.Session, *paths: str) -> None:
