@@ -229,3 +229,39 @@ def decompose_auto_functionalized(graph: torch.fx.Graph) -> None:
 
     decompose: Any = post_grad.decompose_auto_functionalized
     decompose(graph)
+
+
+# torch._inductor.pattern_matcher Match.ctx.pattern_to_node and the pattern exprs' .kwargs,
+# checked on 2.13.0 (present since 2.1). The matcher drops a node's keyword arguments the pattern
+# does not name (_TargetArgsExpr._match keeps only ``i in self.kwargs``), so
+# ``add(mm, bias, alpha=2)`` matches a pattern traced from ``mm + bias``. Inductor never sees such
+# a node (it decomposes first); we match undecomposed ATen, so we check them ourselves.
+def match_drops_kwargs(match: Any) -> bool:
+    """True when a node of ``match`` has a keyword argument, not equal to its schema default,
+    that the pattern does not name (the replacement would silently lose it). A match whose
+    structure is unknown answers True: refusing a fusion is always safe."""
+    try:
+        pairs = list(match.ctx.pattern_to_node.items())
+    except AttributeError:
+        return True
+    for pattern, node in pairs:
+        p_kwargs = getattr(pattern, "kwargs", None)
+        if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+            continue
+        if not isinstance(p_kwargs, dict):
+            continue  # an input (KeywordArg, Arg): not an op of the pattern
+        for name, value in node.kwargs.items():
+            if name in p_kwargs:
+                continue
+            has_default, default = _schema_default(node, name)
+            if not has_default or default != value:
+                return True
+    return False
+
+
+def _schema_default(node: torch.fx.Node, name: str) -> tuple[bool, Any]:
+    schema = getattr(node.target, "_schema", None)
+    for arg in getattr(schema, "arguments", ()):
+        if arg.name == name:
+            return (True, arg.default_value) if arg.has_default_value() else (False, None)
+    return False, None

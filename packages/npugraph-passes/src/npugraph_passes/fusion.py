@@ -95,6 +95,10 @@ def _register(
     skip_duplicates: bool,
 ) -> None:
     def check(match: Any) -> bool:
+        # torch's matcher ignores keyword arguments the pattern does not name (add's alpha):
+        # a match that would lose one is refused.
+        if _compat.match_drops_kwargs(match):
+            return False
         return _one_stream(match) and bool(extra_check(match))
 
     with _lock:
