@@ -561,3 +561,24 @@ def test_clone_output_false_is_overwritten_true_is_kept() -> None:
                 assert_close(o, w)
             else:
                 assert_close(o, want[-1])  # overwritten by the last call, as documented
+
+
+def test_kv_cache_slice_assign_at_a_dynamic_position() -> None:
+    def f(k: torch.Tensor, pos: int, new: torch.Tensor) -> torch.Tensor:
+        k[:, pos:pos + 1] = new
+        return k[:, :pos + 1].sum(1)
+
+    positions = [2, 3, 5, 4]
+    _compare(f, _compile(f, dynamic=True),
+             lambda i: (_randn(2, 8, 3), positions[i], _randn(2, 1, 3)), calls=len(positions))
+
+
+def test_intermediate_slice_assign_at_a_dynamic_position() -> None:
+    def f(x: torch.Tensor, pos: int, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x * 2
+        y[:, pos:pos + 1] = new
+        return y, y[:, pos:].sum(1)
+
+    positions = [2, 3, 5, 4]
+    _compare(f, _compile(f, dynamic=True),
+             lambda i: (_randn(2, 8, 3), positions[i], _randn(2, 1, 3)), calls=len(positions))

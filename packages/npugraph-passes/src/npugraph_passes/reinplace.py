@@ -61,6 +61,12 @@ def _val(node: object) -> torch.Tensor | None:
     return None
 
 
+def _meta_values(args: Any) -> Any:
+    """``args`` with every node replaced by its ``meta["val"]`` (a SymInt start of a slice, a
+    tensor): what the op is evaluated on to recompute a view's metadata."""
+    return torch.fx.node.map_arg(args, lambda n: n.meta.get("val"))
+
+
 def _self_overlaps(t: torch.Tensor) -> bool:
     return any(st == 0 and sz != 1 for sz, st in zip(t.shape, t.stride(), strict=True))
 
@@ -159,9 +165,9 @@ def _refresh_views(root: torch.fx.Node, an: _Analysis) -> None:
         base = _val(view.args[0])
         if base is None or an.storage.get(view) == key:
             continue
-        args = (base, *view.args[1:])
+        args = (base, *_meta_values(view.args[1:]))
         try:
-            view.meta["val"] = view.target(*args, **view.kwargs)  # type: ignore[operator]
+            view.meta["val"] = view.target(*args, **_meta_values(view.kwargs))  # type: ignore[operator]
         except Exception:
             continue
         an.merge(view, root)
@@ -207,7 +213,8 @@ def _rewrite_in_place(node: torch.fx.Node, dst: torch.fx.Node, an: _Analysis) ->
             view = graph.call_function(view_op, (dst, *view_args), dict(node.kwargs))
             dst_val = _val(dst)
             if dst_val is not None:
-                view.meta["val"] = view_op(dst_val, *view_args, **node.kwargs)
+                view.meta["val"] = view_op(dst_val, *_meta_values(view_args),
+                                           **_meta_values(node.kwargs))
             view.meta["stack_trace"] = node.meta.get("stack_trace")
             # copy(view_of_dst, v) feeding only this scatter is v converted to the view: copy_ does it.
             if (isinstance(src, torch.fx.Node) and src.target is aten.copy.default
