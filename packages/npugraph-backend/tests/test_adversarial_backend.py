@@ -582,3 +582,46 @@ def test_intermediate_slice_assign_at_a_dynamic_position() -> None:
     positions = [2, 3, 5, 4]
     _compare(f, _compile(f, dynamic=True),
              lambda i: (_randn(2, 8, 3), positions[i], _randn(2, 1, 3)), calls=len(positions))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="runtime bug (manager.py _record): a user input is copied into a contiguous buffer, "
+    "but the graph was traced for the input's own strides; x.t().reshape(-1) of a transposed "
+    "input is a view in the traced graph and fails on the contiguous buffer (RuntimeError)",
+)
+def test_transposed_user_input_viewed_after_transpose() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x.t().reshape(-1) * 2
+
+    _compare(f, _compile(f), lambda i: (_randn(4, 3).t(),))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="runtime bug (manager.py _record): the contiguous capture buffer of a transposed "
+    "user input changes what as_strided reads: wrong values from the second call on",
+)
+def test_as_strided_of_a_transposed_user_input() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x.as_strided((3,), (1,)) * 2
+
+    _compare(f, _compile(f), lambda i: (_randn(4, 3).t(),))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="runtime (manager.py _output_plan): with clone_output=True each output is cloned on "
+    "its own, so two outputs that share memory in eager (y and y.view(-1)) stop sharing it",
+)
+def test_clone_output_keeps_aliasing_between_outputs() -> None:
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x * 2
+        return y, y.view(-1)
+
+    c = _compile(f, options={"clone_output": True})
+    for _ in range(CALLS):
+        with torch.no_grad():
+            y, flat = c(_randn(2, 3))
+        y.add_(1)
+        assert_close(flat, y.view(-1))
