@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -33,6 +33,7 @@ from npugraph_runtime.counters import (
 from npugraph_runtime.devices.base import DeviceGraph, PoolHandle
 from npugraph_runtime.errors import CaptureError, PolicyError
 from npugraph_runtime.graphs import Graph, as_pool_handle, graph, graph_pool_handle
+from npugraph_runtime.inputs import WriteWatch, non_overlapping, refiller, storage_ptr
 from npugraph_runtime.keys import Args, Key, key_function, picker
 from npugraph_runtime.spec import CapturePolicy, InputSpec, OutputSpec, SlotKind
 
@@ -83,7 +84,10 @@ class GraphedCallable:
     tensor that are not keyed keep their sizes, and constant inputs do not change.
     With ``clone_output=False`` the returned tensors are the graph's static outputs: the next
     call overwrites them. With ``clone_input=False`` the first call's user tensors become the
-    capture's buffers and a later call at another address overwrites them."""
+    capture's buffers and a later call at another address (or layout) overwrites them; a user
+    tensor that shares memory with another input, or overlaps itself, gets an owned buffer.
+    Refused at capture (PolicyError): fn writing a user or static input in place (declare it
+    mutated), and a user input sharing memory with a mutated input."""
 
     def __init__(
         self,
@@ -149,9 +153,9 @@ class GraphedCallable:
                                      for i in range(self._n)]
         pick_user = picker(self._user)
         buffers = cap.buffers
-        buffer_ptrs = list(map(_data_ptr, buffers))
         copy = self._copy
         always_copy = self._policy.clone_input  # owned buffers never equal a caller's tensor
+        unchanged, refill = refiller(buffers, copy)
         result, build = self._output_plan(cap)
         data_ptr = _data_ptr
 
@@ -176,8 +180,10 @@ class GraphedCallable:
                 return recapture(key, args)
             if pick_user is not None:
                 sources = pick_user(args)
-                if always_copy or list(map(data_ptr, sources)) != buffer_ptrs:  # type: ignore[arg-type]
+                if always_copy:
                     copy(buffers, sources)  # type: ignore[arg-type]
+                elif not unchanged(sources):  # type: ignore[arg-type]
+                    refill(sources)  # type: ignore[arg-type]
             replay()
             return result if build is None else build(args)
 
@@ -246,20 +252,30 @@ class GraphedCallable:
 
     def _record(self, key: Key, args: Args) -> _Capture:
         device = self._device_for(args)
-        cap_args = list(args)
-        buffers: list[torch.Tensor] = []
-        for i in self._user:
-            x: torch.Tensor = args[i]  # type: ignore[assignment]
-            if self._policy.clone_input:
-                x = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
-                cap_args[i] = x
-            buffers.append(x)
+        cap_args, buffers = self._buffers(args)
+        # statics and user buffers must not be written: replays would not write the caller's
+        # tensor (user) or would repeat the write warmups already made (static)
+        mutated = {storage_ptr(args[i]) for i in self._mutated}  # type: ignore[arg-type]
+        watched = {storage_ptr(b): i for i, b in zip(self._user, buffers, strict=True)}
+        for i in self._static:
+            watched.setdefault(storage_ptr(args[i]), i)  # type: ignore[arg-type]
+        watch = WriteWatch({p: i for p, i in watched.items() if p and p not in mutated})
         g = Graph(device)
         with (
             torch.profiler.record_function(CAPTURE_RANGE),
             graph(g, pool=self._pool_for(device), capture_error_mode=self._policy.capture_error_mode),
+            watch,
         ):
             out = self._fn(*cap_args)
+        if watch.written:
+            g.reset()
+            i, op = next(iter(watch.written.items()))
+            raise PolicyError(
+                f"{self.name}: fn writes input {i} in place ({op}), but the InputSpec makes it "
+                f"{self._spec.kinds[i].value}: a replay would not write the caller's tensor like "
+                "eager does. Declare it mutated (make_graphed_callable(mutated_argnums=...), "
+                "SlotKind.MUTATED) or do not write it"
+            )
         cap = _Capture(key, g, cap_args, buffers)
         cap.outputs = out
         try:
@@ -269,22 +285,45 @@ class GraphedCallable:
             raise
         return cap
 
+    def _buffers(self, args: Args) -> tuple[list[object], list[torch.Tensor]]:
+        """The arguments a capture runs on and its user-input buffers. A buffer is the caller's
+        own tensor only under clone_input=False, and only when no other input shares its memory
+        and no two of its elements overlap; otherwise it is an owned contiguous copy, so that
+        refilling it never writes memory another input (or another element) is read from."""
+        mutated = {storage_ptr(args[i]): i for i in self._mutated}  # type: ignore[arg-type]
+        for i in self._user:
+            j = mutated.get(storage_ptr(args[i]))  # type: ignore[arg-type]
+            if j is not None and args[i].numel():  # type: ignore[attr-defined]
+                raise PolicyError(
+                    f"{self.name}: user input {i} shares memory with mutated input {j}: a replay "
+                    f"reads input {i} as copied before fn writes input {j}, eager reads it after. "
+                    f"Pass input {i} as a separate tensor, or mark it mutated too"
+                )
+        taken = set(mutated) | {storage_ptr(args[i]) for i in self._static}  # type: ignore[arg-type]
+        cap_args = list(args)
+        buffers: list[torch.Tensor] = []
+        for i in self._user:
+            x: torch.Tensor = args[i]  # type: ignore[assignment]
+            ptr = storage_ptr(x)
+            if self._policy.clone_input or (ptr and ptr in taken) or not non_overlapping(x):
+                x = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
+                cap_args[i] = x
+            taken.add(ptr)
+            buffers.append(x)
+        return cap_args, buffers
+
     def _output_plan(self, cap: _Capture) -> tuple[object, Callable[[Args], object] | None]:
         """What a replay returns: a fixed object, or a builder when outputs alias inputs or are
         cloned. An output that is exactly an input (per OutputSpec, or found at capture) is
         returned as the caller's input; a view of an input the graph uses in place is never
         cloned; every other tensor is cloned when ``clone_output``."""
         out = cap.outputs
-        outs: tuple[object, ...]
-        if isinstance(out, torch.Tensor):
-            single, outs = True, (out,)
-        elif isinstance(out, tuple | list) and type(out) in (tuple, list):
-            single, outs = False, tuple(out)
-        else:
+        if not isinstance(out, torch.Tensor) and type(out) not in (tuple, list):
             raise CaptureError(
                 f"{self.name}: fn returned a {type(out).__name__}; a GraphedCallable needs fn to "
                 "return a tensor, or a tuple or list of tensors"
             )
+        outs, structure = _flatten(out, self.name)
         declared = self._output_spec.aliases_input if self._output_spec is not None else ()
         in_place = {i for i in self._static + self._mutated}
         if not self._policy.clone_input:
@@ -303,17 +342,30 @@ class GraphedCallable:
                 continue  # a view of the caller's own tensor, as in eager
             elif self._policy.clone_output:
                 clone.append(pos)
-        if not alias and not clone and (single or type(out) is tuple):
-            return (outs[0] if single else outs), None
-        as_list = type(out) is list
+        if isinstance(out, torch.Tensor) or structure is None:
+            # a tensor, or a flat tuple: immutable, so the same object can be returned every call
+            if not alias and not clone:
+                return out, None
+            single = isinstance(out, torch.Tensor)
+
+            def build_flat(args: Args) -> object:
+                res: list[object] = list(outs)
+                for p in clone:
+                    res[p] = res[p].clone()  # type: ignore[attr-defined]
+                for p, j in alias:
+                    res[p] = args[j]
+                return res[0] if single else tuple(res)
+
+            return None, build_flat
 
         def build(args: Args) -> object:
+            # lists are rebuilt every call: a caller appending to one never changes the next result
             res: list[object] = list(outs)
             for p in clone:
                 res[p] = res[p].clone()  # type: ignore[attr-defined]
             for p, j in alias:
                 res[p] = args[j]
-            return res[0] if single else res if as_list else tuple(res)
+            return _unflatten(structure, iter(res))
 
         return None, build
 
@@ -401,6 +453,45 @@ class GraphedCallable:
             f"GraphedCallable({self.name!r}, captures={len(self._captures)}, "
             f"fell_back={self.fell_back})"
         )
+
+
+# The nesting of fn's result: None for a leaf, else (is_list, children). A flat tuple's
+# structure is None too (see _flatten).
+Structure = tuple[bool, list[Any]] | None
+
+
+def _flatten(out: object, name: str) -> tuple[list[object], Structure]:
+    """The leaves of ``out`` (nested tuples and lists of tensors and constants) in order, and its
+    structure; (leaves, None) when ``out`` is a tensor or a tuple with no tuple or list inside."""
+    if isinstance(out, torch.Tensor):
+        return [out], None
+    leaves: list[object] = []
+
+    def walk(value: object) -> Any:
+        if type(value) in (tuple, list):
+            return (type(value) is list, [walk(v) for v in value])  # type: ignore[attr-defined]
+        if isinstance(value, dict) or (
+            isinstance(value, tuple | list) and any(isinstance(v, torch.Tensor) for v in value)
+        ):
+            raise CaptureError(
+                f"{name}: fn returned a {type(value).__name__} inside its result; a "
+                "GraphedCallable returns tensors nested in tuples and lists only"
+            )
+        leaves.append(value)
+        return None
+
+    structure = walk(out)
+    if not structure[0] and all(child is None for child in structure[1]):
+        return leaves, None
+    return leaves, structure
+
+
+def _unflatten(structure: Structure, leaves: Iterator[object]) -> object:
+    if structure is None:
+        return next(leaves)
+    is_list, children = structure
+    items = [_unflatten(child, leaves) for child in children]
+    return items if is_list else tuple(items)
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -1,0 +1,97 @@
+"""How the capture manager's tensor inputs reach a capture: which memory a capture may use in
+place, which writes it refuses, and how a clone_input=False buffer is refilled safely."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from npugraph_runtime._compat import TorchDispatchMode
+from npugraph_runtime.devices.cpu_kernels import write_positions
+
+_data_ptr = torch.Tensor.data_ptr
+_stride = torch.Tensor.stride
+
+
+def storage_ptr(t: torch.Tensor) -> int:
+    """The address of ``t``'s whole storage (0 for a storage of no bytes, shared by all of them)."""
+    return int(t.untyped_storage().data_ptr())
+
+
+def non_overlapping(t: torch.Tensor) -> bool:
+    """No two elements of ``t`` share memory (an expanded or as_strided view may fail this):
+    only then can ``t`` be written element by element, as a copy into a buffer does."""
+    reach = 0  # the furthest element offset the dims already walked can reach
+    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride(), strict=True) if s > 1),
+                               key=lambda d: d[1]):
+        if stride <= reach:
+            return False
+        reach += (size - 1) * stride
+    return True
+
+
+class WriteWatch(TorchDispatchMode):  # type: ignore[misc]
+    """Notes which of the watched storages (address -> input index) an op writes in place, by
+    the op's schema. Active while the manager captures, on every device."""
+
+    def __init__(self, watched: dict[int, int]) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.watched = watched
+        self.written: dict[int, str] = {}  # input index -> the first op that wrote it
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        positions, names = write_positions(func)
+        if positions or names:
+            targets = [args[i] for i in positions if i < len(args)] + [kwargs.get(n) for n in names]
+            for t in _flat_tensors(targets):
+                ptr = storage_ptr(t)
+                slot = self.watched.get(ptr) if ptr else None
+                if slot is not None:
+                    self.written.setdefault(slot, str(func))
+        return func(*args, **kwargs)
+
+
+def _flat_tensors(values: Sequence[object]) -> list[torch.Tensor]:
+    found: list[torch.Tensor] = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            found += _flat_tensors(v)
+    return found
+
+
+def refiller(
+    buffers: Sequence[torch.Tensor],
+    copy: Callable[[list[torch.Tensor], Sequence[torch.Tensor]], object],
+) -> tuple[Callable[[Sequence[torch.Tensor]], bool], Callable[[Sequence[torch.Tensor]], None]]:
+    """For clone_input=False: ``(unchanged, refill)``. ``unchanged(sources)`` is the hot-path test
+    (every source is its buffer's exact view: same address and strides, so nothing is copied);
+    ``refill(sources)`` copies each other source into its buffer. A source that shares memory
+    with a buffer (the same tensor seen transposed, a sliding window of one tensor, two inputs
+    swapped) is read completely before any buffer is written."""
+    ptrs = list(map(_data_ptr, buffers))
+    strides = list(map(_stride, buffers))
+    storages = {storage_ptr(b) for b in buffers} - {0}
+
+    def unchanged(sources: Sequence[torch.Tensor]) -> bool:
+        return list(map(_data_ptr, sources)) == ptrs and list(map(_stride, sources)) == strides
+
+    def refill(sources: Sequence[torch.Tensor]) -> None:
+        dsts: list[torch.Tensor] = []
+        srcs: list[torch.Tensor] = []
+        for buf, ptr, stride, src in zip(buffers, ptrs, strides, sources, strict=True):
+            if src.data_ptr() == ptr and src.stride() == stride:
+                continue
+            if storage_ptr(src) in storages:
+                src = src.clone()
+            dsts.append(buf)
+            srcs.append(src)
+        copy(dsts, srcs)
+
+    return unchanged, refill
