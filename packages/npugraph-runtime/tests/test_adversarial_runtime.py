@@ -516,3 +516,25 @@ def test_hand_capture_replays_after_its_locals_died_and_in_another_thread() -> N
     t.start()
     t.join()
     assert results == [True]
+
+
+@pytest.mark.parametrize("clone_input", [True, False])
+@pytest.mark.parametrize(
+    "fn",
+    [lambda x: x.t().view(-1) * 2, lambda x: x.as_strided((3,), (1,)) * 2],
+    ids=["view_valid_only_for_the_input_layout", "as_strided"],
+)
+def test_owned_input_buffers_keep_the_callers_layout(
+    fn: Callable[[torch.Tensor], torch.Tensor], clone_input: bool
+) -> None:
+    def make() -> torch.Tensor:
+        return _randn(4, 3).t()
+
+    first = make()
+    # clone_input=False owns a buffer too when the first tensor shares memory with another input
+    args = (first,) if clone_input else (first, first)
+    graphed = ngr.make_graphed_callable((lambda x, *_: fn(x)), args, clone_input=clone_input,
+                                        static_argnums=() if clone_input else (1,))
+    for call in range(3):
+        x = first if call == 0 else make()
+        _assert_same(graphed(x, *args[1:]), fn(x))

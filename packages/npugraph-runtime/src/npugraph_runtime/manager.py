@@ -288,8 +288,9 @@ class GraphedCallable:
     def _buffers(self, args: Args) -> tuple[list[object], list[torch.Tensor]]:
         """The arguments a capture runs on and its user-input buffers. A buffer is the caller's
         own tensor only under clone_input=False, and only when no other input shares its memory
-        and no two of its elements overlap; otherwise it is an owned contiguous copy, so that
-        refilling it never writes memory another input (or another element) is read from."""
+        and no two of its elements overlap; otherwise it is an owned copy with the caller's
+        layout (made dense), so that refilling it never writes memory another input (or another
+        element) is read from."""
         mutated = {storage_ptr(args[i]): i for i in self._mutated}  # type: ignore[arg-type]
         for i in self._user:
             j = mutated.get(storage_ptr(args[i]))  # type: ignore[arg-type]
@@ -306,7 +307,9 @@ class GraphedCallable:
             x: torch.Tensor = args[i]  # type: ignore[assignment]
             ptr = storage_ptr(x)
             if self._policy.clone_input or (ptr and ptr in taken) or not non_overlapping(x):
-                x = torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
+                # the graph may depend on the input's layout (a traced view, as_strided): keep
+                # its strides when dense, else dense strides in the same dim order
+                x = torch.empty_like(x, memory_format=torch.preserve_format).copy_(x)
                 cap_args[i] = x
             taken.add(ptr)
             buffers.append(x)
