@@ -538,3 +538,21 @@ def test_owned_input_buffers_keep_the_callers_layout(
     for call in range(3):
         x = first if call == 0 else make()
         _assert_same(graphed(x, *args[1:]), fn(x))
+
+
+def _outputs_sharing_memory(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    y = x * 2
+    return y, y.view(-1), y[1], y.view(torch.int32), x + 1
+
+
+def test_clone_output_keeps_outputs_that_share_memory_sharing_it() -> None:
+    fn = ngr.make_graphed_callable(_outputs_sharing_memory, [_randn(2, 3)], clone_output=True)
+    fn(_randn(2, 3))
+    for _ in range(2):
+        x = _randn(2, 3)
+        got, want = fn(x), _outputs_sharing_memory(x)
+        _assert_same(got, want)
+        got[0].add_(1)  # a write through one output shows through its aliases, as in eager
+        want[0].add_(1)
+        _assert_same(got, want)
+        assert got[0].untyped_storage().data_ptr() != got[4].untyped_storage().data_ptr()

@@ -345,6 +345,7 @@ class GraphedCallable:
                 continue  # a view of the caller's own tensor, as in eager
             elif self._policy.clone_output:
                 clone.append(pos)
+        singles, groups = _clone_groups(outs, clone)
         if isinstance(out, torch.Tensor) or structure is None:
             # a tensor, or a flat tuple: immutable, so the same object can be returned every call
             if not alias and not clone:
@@ -353,8 +354,11 @@ class GraphedCallable:
 
             def build_flat(args: Args) -> object:
                 res: list[object] = list(outs)
-                for p in clone:
+                for p in singles:
                     res[p] = res[p].clone()  # type: ignore[attr-defined]
+                for group in groups:
+                    for p, t in zip(group, clone_together([res[p] for p in group]), strict=True):  # type: ignore[misc]
+                        res[p] = t
                 for p, j in alias:
                     res[p] = args[j]
                 return res[0] if single else tuple(res)
@@ -364,8 +368,11 @@ class GraphedCallable:
         def build(args: Args) -> object:
             # lists are rebuilt every call: a caller appending to one never changes the next result
             res: list[object] = list(outs)
-            for p in clone:
+            for p in singles:
                 res[p] = res[p].clone()  # type: ignore[attr-defined]
+            for group in groups:
+                for p, t in zip(group, clone_together([res[p] for p in group]), strict=True):  # type: ignore[misc]
+                    res[p] = t
             for p, j in alias:
                 res[p] = args[j]
             return _unflatten(structure, iter(res))
@@ -495,6 +502,43 @@ def _unflatten(structure: Structure, leaves: Iterator[object]) -> object:
     is_list, children = structure
     items = [_unflatten(child, leaves) for child in children]
     return items if is_list else tuple(items)
+
+
+def _clone_groups(outs: Sequence[object], clone: Sequence[int]) -> tuple[list[int], list[list[int]]]:
+    """The outputs to clone alone, and the groups that share a storage and are cloned together
+    (so a caller's write through one shows through the others, as in eager)."""
+    by_storage: dict[int, list[int]] = {}
+    for p in clone:
+        by_storage.setdefault(storage_ptr(outs[p]) or -1 - p, []).append(p)  # type: ignore[arg-type]
+    singles = [ps[0] for ps in by_storage.values() if len(ps) == 1]
+    return singles, [ps for ps in by_storage.values() if len(ps) > 1]
+
+
+def clone_together(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Clones of views of one storage that share one new storage, laid out as the originals."""
+    align = max(t.element_size() for t in tensors)
+    spans = [
+        (t.storage_offset() * t.element_size(),
+         (t.storage_offset() + sum((n - 1) * d for n, d in zip(t.shape, t.stride(), strict=True)) + 1)
+         * t.element_size())
+        for t in tensors
+        if t.numel()
+    ]
+    if not spans:
+        return [t.clone() for t in tensors]
+    lo = min(a for a, _ in spans)
+    lo -= lo % align
+    hi = max(b for _, b in spans)
+    raw = torch.empty(0, dtype=torch.uint8, device=tensors[0].device)
+    source = raw.set_(tensors[0].untyped_storage(), lo, (hi - lo,), (1,))
+    storage = source.clone().untyped_storage()
+    return [
+        torch.empty(0, dtype=t.dtype, device=t.device).set_(
+            storage, max(t.storage_offset() * t.element_size() - lo, 0) // t.element_size(),
+            t.shape, t.stride(),
+        )
+        for t in tensors
+    ]
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
