@@ -165,6 +165,10 @@ HAND_CASES: dict[str, tuple[Callable[..., Any], Make]] = {
         ),
         lambda: [_ints(-100, 100, 8), _ints(1, 9, 8)],
     ),
+    "integer_index_tensors": (
+        lambda x, i: (x[i], x[:, i], x[i, i], x[None, i]),
+        lambda: [_randn(6, 6), _ints(0, 6, 3)],
+    ),
     "clamp_with_tensor_bounds": (
         lambda x, lo, hi: x.clamp(lo, hi),
         lambda: [_randn(8), _randn(8) - 1, _randn(8) + 1],
@@ -556,3 +560,9 @@ def test_clone_output_keeps_outputs_that_share_memory_sharing_it() -> None:
         want[0].add_(1)
         _assert_same(got, want)
         assert got[0].untyped_storage().data_ptr() != got[4].untyped_storage().data_ptr()
+
+
+def test_boolean_mask_indexing_is_still_refused() -> None:
+    x, g = _randn(8), ngr.Graph("cpu")
+    with pytest.raises(CaptureError, match="output shape that depends on the data"), ngr.graph(g):
+        _ = x[x > 0] * 2

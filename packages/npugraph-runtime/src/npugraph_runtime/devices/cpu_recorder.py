@@ -132,6 +132,18 @@ def _draws_nothing(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
     return "train" in names and _argument(func, args, kwargs, "train") is False
 
 
+def _shape_fixed_here(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Ops tagged as having a data-dependent output shape whose shape is fixed by these
+    arguments: indexing with integer index tensors (only boolean masks make it data-dependent)."""
+    if overload_name(func) != "aten::index.Tensor":
+        return False
+    indices = _argument(func, args, kwargs, "indices") or ()
+    return all(
+        i is None or (isinstance(i, torch.Tensor) and i.dtype not in (torch.bool, torch.uint8))
+        for i in indices
+    )
+
+
 def _plain(t: torch.Tensor) -> bool:
     return (
         t.layout == torch.strided
@@ -261,6 +273,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
             tag = getattr(torch.Tag, tag_name, None)
             if tag is not None and tag in tags:
                 if tag_name == "nondeterministic_seeded" and _draws_nothing(func, args, kwargs):
+                    continue
+                if tag_name == "dynamic_output_shape" and _shape_fixed_here(func, args, kwargs):
                     continue
                 return why
         reason = _UNSAFE_NAMES.get(name)
