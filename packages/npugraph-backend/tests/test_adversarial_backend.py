@@ -345,12 +345,7 @@ def test_kv_cache_slice_assign_read_after() -> None:
         assert_close(args, args_e)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runtime bug (devices/cpu_recorder.py): the CPU recorder refuses aten.index.Tensor by "
-    "its dynamic_output_shape tag even for integer indices, whose output shape does not depend "
-    "on the data (the passes' lint already tells them apart); CaptureError instead of a result",
-)
+# Found here, fixed in the runtime (555959d: integer tensor indexing is captured).
 def test_integer_tensor_indexing_of_a_cache() -> None:
     def f(cache: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return cache[pos] * 2
@@ -398,6 +393,45 @@ def test_bmm_add_broadcast_bias() -> None:
 def test_linear_chain_with_bias_int_dtype_mix() -> None:
     lin = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
     _compare(lin, _compile(lin), lambda i: (_randn(3, 4),))
+
+
+# Custom ops with a mutable argument reach the graph as auto_functionalized, which no
+# device-graph capture can record: it must always be lowered.
+@torch.library.custom_op("npugraph_ex_adv::write_rows", mutates_args=("cache",))
+def _write_rows(cache: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> None:
+    cache.index_copy_(0, pos, new)
+
+
+@_write_rows.register_fake
+def _write_rows_fake(cache: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> None:
+    return None
+
+
+def test_custom_op_writing_an_intermediate_that_is_returned() -> None:
+    def f(x: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        y = x * 2
+        _write_rows(y, pos, new)
+        return y, x
+
+    _compare(f, _compile(f), lambda i: (_randn(5, 2), torch.tensor([i]), _randn(1, 2)))
+
+
+def test_custom_op_writing_a_view_of_an_input() -> None:
+    def f(x: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        _write_rows(x[1:], torch.tensor([0]), new)
+        return x * 1
+
+    _compare(f, _compile(f), lambda i: (_randn(4, 2), _randn(1, 2)))
+
+
+def test_custom_op_writing_an_input_without_input_inplace_pass() -> None:
+    def f(cache: torch.Tensor, pos: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        old = cache.sum()
+        _write_rows(cache, pos, new)
+        return cache.sum(0) + old
+
+    c = _compile(f, options={"input_inplace_pass": False})
+    _compare(f, c, lambda i: (_randn(5, 2), torch.tensor([i]), _randn(1, 2)))
 
 
 # ---- shapes, graphs, modes, dtypes -------------------------------------------------------
@@ -584,12 +618,7 @@ def test_intermediate_slice_assign_at_a_dynamic_position() -> None:
              lambda i: (_randn(2, 8, 3), positions[i], _randn(2, 1, 3)), calls=len(positions))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runtime bug (manager.py _record): a user input is copied into a contiguous buffer, "
-    "but the graph was traced for the input's own strides; x.t().reshape(-1) of a transposed "
-    "input is a view in the traced graph and fails on the contiguous buffer (RuntimeError)",
-)
+# Found here, fixed in the runtime (c7cf722: owned input buffers keep the caller's layout).
 def test_transposed_user_input_viewed_after_transpose() -> None:
     def f(x: torch.Tensor) -> torch.Tensor:
         return x.t().reshape(-1) * 2
@@ -597,11 +626,6 @@ def test_transposed_user_input_viewed_after_transpose() -> None:
     _compare(f, _compile(f), lambda i: (_randn(4, 3).t(),))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runtime bug (manager.py _record): the contiguous capture buffer of a transposed "
-    "user input changes what as_strided reads: wrong values from the second call on",
-)
 def test_as_strided_of_a_transposed_user_input() -> None:
     def f(x: torch.Tensor) -> torch.Tensor:
         return x.as_strided((3,), (1,)) * 2
@@ -609,11 +633,7 @@ def test_as_strided_of_a_transposed_user_input() -> None:
     _compare(f, _compile(f), lambda i: (_randn(4, 3).t(),))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="runtime (manager.py _output_plan): with clone_output=True each output is cloned on "
-    "its own, so two outputs that share memory in eager (y and y.view(-1)) stop sharing it",
-)
+# Found here, fixed in the runtime (1685920: outputs sharing memory are cloned together).
 def test_clone_output_keeps_aliasing_between_outputs() -> None:
     def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         y = x * 2

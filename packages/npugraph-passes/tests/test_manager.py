@@ -50,6 +50,7 @@ def test_order_is_pre_builtins_post_then_tail() -> None:
         "inplace_pass",
         "input_inplace_pass",
         "post_grad_custom_post_pass",
+        "lower_auto_functionalized",
         "dead_code_elimination",
         "capture_safety_lint",
     ]

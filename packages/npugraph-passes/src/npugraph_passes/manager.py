@@ -136,14 +136,17 @@ def _check_user_pass(option: str, value: object) -> PassFn | None:
 
 class PassManager:
     """Runs, in order: the user's pre pass, the enabled built-ins, the user's post pass, then the
-    fixed tail (dead-code elimination, capture-safety lint). See the package README for why."""
+    fixed tail (lowering of functionalized custom ops, dead-code elimination, capture-safety
+    lint). See the package README for why."""
 
     def __init__(self, passes: Sequence[GraphPass]) -> None:
         from npugraph_passes.cleanup import dead_code_elimination
         from npugraph_passes.lint import capture_safety_lint
+        from npugraph_passes.reinplace import lower_auto_functionalized
 
         self.passes: list[GraphPass] = list(passes)
         self.tail: list[GraphPass] = [
+            GraphPass(lower_auto_functionalized, "lower_auto_functionalized", builtin=True),
             GraphPass(dead_code_elimination, "dead_code_elimination", builtin=True),
             GraphPass(capture_safety_lint, "capture_safety_lint", builtin=True),
         ]

@@ -440,6 +440,17 @@ def _reinplace_auto_functionalized(gm: torch.fx.GraphModule, an: _Analysis) -> N
             gm.graph.erase_node(node)
 
 
+def lower_auto_functionalized(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> None:
+    """Every ``auto_functionalized`` node left in the graph becomes clones plus the mutating op
+    (inductor's decomposition; clones all mutated tensors unless input_inplace_pass decided
+    otherwise). Always run: a higher-order op cannot be recorded by a device-graph capture."""
+    v1, v2 = _compat.auto_functionalized_ops()
+    targets = {t for t in (v1, v2) if t is not None}
+    if not any(n.op == "call_function" and n.target in targets for n in gm.graph.nodes):
+        return
+    _compat.decompose_auto_functionalized(gm.graph)
+
+
 def input_inplace_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> None:
     """Turns ``copy_(input, op(input, ...))`` epilogues into in-place updates of the input (and
     ``copy_(input, f(...))`` into ``f(..., out=input)``), so a mutated input is written where it
