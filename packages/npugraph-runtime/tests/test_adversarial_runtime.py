@@ -566,3 +566,36 @@ def test_boolean_mask_indexing_is_still_refused() -> None:
     x, g = _randn(8), ngr.Graph("cpu")
     with pytest.raises(CaptureError, match="output shape that depends on the data"), ngr.graph(g):
         _ = x[x > 0] * 2
+
+
+@pytest.mark.parametrize(
+    ("fn", "what"),
+    [
+        (lambda x: x * x.tolist()[0], r"Tensor\.tolist"),
+        (lambda x: x * float(x.numpy()[0]), r"Tensor\.numpy"),
+        (lambda x: x * len(repr(x[0])), r"Tensor\.__repr__"),
+        (lambda x: x + torch.tensor([x[0], x[1], 0, 0, 0, 0]), r"torch\.tensor\(\) of a list"),
+    ],
+    ids=["tolist", "numpy", "repr", "tensor_of_elements"],
+)
+def test_host_reads_that_bypass_dispatch_are_refused(fn: Callable[[torch.Tensor], Any], what: str) -> None:
+    """On the CPU these read values without an ATen op: replays would silently repeat them."""
+    x = _randn(6)
+    kept = x.clone()
+    g = ngr.Graph("cpu")
+    with pytest.raises(CaptureError, match=what + ".*reads tensor values on the host"), ngr.graph(g):
+        fn(x)
+    assert torch.equal(x, kept)
+    with pytest.raises(CaptureError, match="holds no capture"):
+        g.replay()
+
+
+def test_host_read_in_relaxed_mode_warns_and_repeats_the_captured_value() -> None:
+    x = _randn(6)
+    first = x.tolist()[0]
+    g = ngr.Graph("cpu")
+    with pytest.warns(UserWarning, match=r"Tensor\.tolist"), ngr.graph(g, capture_error_mode="relaxed"):
+        out = x * x.tolist()[0]
+    x.copy_(_randn(6))
+    g.replay()
+    _assert_same(out, x * first)

@@ -64,6 +64,17 @@ def data_ptrs_at_indices_equal() -> Callable[[list[object], list[int | None], li
 from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode  # noqa: E402
 
 
+def no_torch_function() -> Any:
+    """Checked on torch 2.13.0 and 2.11: ``torch._C.DisableTorchFunction()`` turns off
+    ``__torch_function__`` handling, modes included, for its block; a no-op where missing."""
+    disable = getattr(torch._C, "DisableTorchFunction", None)
+    if disable is None:  # pragma: no cover
+        import contextlib
+
+        return contextlib.nullcontext()
+    return disable()
+
+
 def op_entry(overload: Any) -> Callable[..., Any]:
     """Checked on torch 2.13.0: ``OpOverload._op`` is the C++ operator handle that
     ``OpOverload.__call__`` forwards to; calling it directly skips one Python frame."""

@@ -119,6 +119,7 @@ class CpuGraph:
         self._pool = cpu_pool(self._handle)
         recorder = Recorder(capture_error_mode)
         recorder.__enter__()  # type: ignore[no-untyped-call]
+        recorder.host_reads.__enter__()  # type: ignore[no-untyped-call]
         self._recorder = recorder
         set_event_hooks(recorder)
         _CAPTURING.graph = self
@@ -133,6 +134,7 @@ class CpuGraph:
                 "dispatch modes are per thread, so end it where it began"
             )
         try:
+            recorder.host_reads.__exit__(None, None, None)  # type: ignore[no-untyped-call]
             recorder.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         finally:
             self._recorder = None

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from npugraph_runtime import _compat
 from npugraph_runtime._compat import TorchDispatchMode
@@ -160,6 +161,60 @@ def _exact_copy(t: torch.Tensor) -> torch.Tensor:
     return c
 
 
+# Tensor methods that read values on the host without dispatching an ATen op (so the dispatch
+# mode never sees them): a replay would repeat what they read at capture.
+_HOST_READ_METHODS = {
+    torch.Tensor.tolist: "Tensor.tolist()",
+    torch.Tensor.numpy: "Tensor.numpy()",
+    torch.Tensor.__array__: "Tensor.__array__() (numpy conversion)",
+    torch.Tensor.__repr__: "Tensor.__repr__() (printing a tensor)",
+    torch.Tensor.__format__: "Tensor.__format__() (formatting a tensor)",
+}
+# Constructors that read the values of tensors nested in their data argument on the host.
+_CONSTRUCTORS = {torch.tensor: "torch.tensor", torch.as_tensor: "torch.as_tensor",
+                 torch.asarray: "torch.asarray"}
+
+
+def _nests_tensor(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and any(
+        isinstance(v, torch.Tensor) or _nests_tensor(v) for v in value
+    )
+
+
+class HostReads(TorchFunctionMode):
+    """Refuses, during a capture, the host reads of tensor values that bypass ATen dispatch:
+    on the CPU they succeed silently and every replay would repeat the values they read."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        recorder = self.recorder
+        if recorder.error is None:
+            what = _HOST_READ_METHODS.get(func)
+            if what is None and func in _CONSTRUCTORS:
+                data = args[0] if args else kwargs.get("data", kwargs.get("obj"))
+                if _nests_tensor(data):
+                    what = f"{_CONSTRUCTORS[func]}() of a list holding tensors"
+            if what is not None:
+                if recorder.mode == "relaxed":
+                    recorder.frozen.append(what)
+                else:
+                    error = CaptureError(
+                        f"{what} cannot be captured: it reads tensor values on the host, and "
+                        "every replay would repeat the values it read during capture. Move it out "
+                        "of the captured region, or capture with capture_error_mode='relaxed' to "
+                        f"accept that (mode is {recorder.mode!r})"
+                    )
+                    recorder.fail(error)
+                    raise error
+        return func(*args, **kwargs)
+
+
 class Recorder(TorchDispatchMode):  # type: ignore[misc]
     """Records the ops of one capture. Created by ``CpuGraph.capture_begin``."""
 
@@ -176,6 +231,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
         self._tensor_ix: dict[int, int] = {}
         self._storage_ix: dict[int, int] = {}
         self._snapshots: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+        self.host_reads = HostReads(self)
 
     # --- bookkeeping ---------------------------------------------------------------------------
     def _ref(self, t: torch.Tensor, index: int, produced: bool = False) -> int:
@@ -260,11 +316,14 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
         kwargs = kwargs or {}
         if self.error is not None:
             return func(*args, **kwargs)
-        try:
-            return self._record(func, args, kwargs)
-        except NpugraphError as e:
-            self.fail(e)
-            raise
+        # the recorder's own tensor work (checks, copies, timing candidates) is not the user's:
+        # keep it out of the host-read guard
+        with _compat.no_torch_function():
+            try:
+                return self._record(func, args, kwargs)
+            except NpugraphError as e:
+                self.fail(e)
+                raise
 
     def _unsafe_reason(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         name = overload_name(func)
