@@ -599,3 +599,19 @@ def test_host_read_in_relaxed_mode_warns_and_repeats_the_captured_value() -> Non
     x.copy_(_randn(6))
     g.replay()
     _assert_same(out, x * first)
+
+
+def test_a_graph_replayed_inside_another_capture_of_its_pool() -> None:
+    """The outer capture records the inner graph's replay, which uses the inner graph's blocks
+    of the shared pool: the outer graph's own intermediates must not be placed over them."""
+    pool = ngr.graph_pool_handle("cpu")
+    inner = ngr.make_graphed_callable(lambda x: (x.sin() * 3).exp().sum(0), [_randn(8, 8)],
+                                      pool=pool)
+
+    def outer_fn(y: torch.Tensor) -> torch.Tensor:
+        return ((y.cos() * 5) + 1) * inner(y * 2) + y.cos()
+
+    outer = ngr.make_graphed_callable(outer_fn, [_randn(8, 8)], pool=pool)
+    for _ in range(4):
+        y = _randn(8, 8)
+        _assert_same(outer(y), outer_fn(y))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 
 import torch
@@ -61,10 +61,12 @@ class CpuPool:
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.blocks)
 
-    def plan(self, items: Sequence[Lifetime]) -> list[Placement]:
+    def plan(self, items: Sequence[Lifetime], avoid: Set[int] = frozenset()) -> list[Placement]:
         """Place ``items`` (one capture's intermediates) and claim the blocks used; the result is in
         the order of ``items``. Largest first, each into the smallest block with a gap that no
-        time-overlapping item of this capture occupies; a new block only when nothing fits."""
+        time-overlapping item of this capture occupies; a new block only when nothing fits.
+        ``avoid``: addresses of blocks the capture itself reads or writes (another graph of the
+        pool replayed inside it), which hold that graph's data while this one runs."""
         taken: dict[int, list[tuple[int, int, int, int]]] = {}  # id(block) -> (off, end, first, last)
         placements: list[Placement | None] = [None] * len(items)
         order = sorted(range(len(items)), key=lambda i: (-items[i].nbytes, items[i].first))
@@ -73,7 +75,7 @@ class CpuPool:
             size = _aligned(max(item.nbytes, 1))
             placed = None
             for block in sorted(self.blocks, key=lambda b: b.nbytes):
-                if block.nbytes < size:
+                if block.nbytes < size or block.storage.data_ptr() in avoid:
                     continue
                 offset = _first_gap(taken.get(id(block), []), item, size, block.nbytes)
                 if offset is not None:

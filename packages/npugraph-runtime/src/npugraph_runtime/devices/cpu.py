@@ -224,6 +224,9 @@ def _place_intermediates(recorder: Recorder, pool: CpuPool) -> tuple[list[Block]
     recording lets go: the recorder drops its strong references (keeping weak ones) and looks at
     what survived; survivors are outputs (or held by the user) and stay where they are."""
     tensors, storages = recorder.tensors, recorder.storages
+    # storages the capture found already there: if some are blocks of this pool (a graph of the
+    # pool replayed inside this capture), this capture's intermediates must not share them
+    avoid = {st.obj.data_ptr() for st in storages if not st.produced and st.obj is not None}
     weak: dict[int, Any] = {}
     for si, st in enumerate(storages):
         if st.obj is not None:
@@ -246,7 +249,7 @@ def _place_intermediates(recorder: Recorder, pool: CpuPool) -> tuple[list[Block]
             storages[si].obj = alive
             home[si] = (alive, 0)
     placements = pool.plan(
-        [Lifetime(storages[si].nbytes, storages[si].first, storages[si].last) for si in dead]
+        [Lifetime(storages[si].nbytes, storages[si].first, storages[si].last) for si in dead], avoid
     )
     for si, placed in zip(dead, placements, strict=True):
         home[si] = (placed.block.storage, placed.offset)
