@@ -376,7 +376,9 @@ def test_mm_add_result_broadcast_bigger() -> None:
 
 def test_add_mm_reversed_operands_and_alpha() -> None:
     def f(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return b + torch.mm(x, w), torch.add(torch.mm(x, w), b, alpha=2), b - torch.mm(x, w)
+        return (b + torch.mm(x, w), torch.add(torch.mm(x, w), b, alpha=2), b - torch.mm(x, w),
+                b.add(torch.mm(x, w), alpha=3),
+                torch.bmm(x.unsqueeze(0), w.unsqueeze(0)).add(b, alpha=0.5))
 
     _compare(f, _compile(f), lambda i: (_randn(3, 4), _randn(4, 5), _randn(3, 5)))
 
