@@ -615,3 +615,19 @@ def test_a_graph_replayed_inside_another_capture_of_its_pool() -> None:
     for _ in range(4):
         y = _randn(8, 8)
         _assert_same(outer(y), outer_fn(y))
+
+
+def _scaled(x: torch.Tensor, scale: float, flag: bool, name: str) -> torch.Tensor:
+    if name != "a":
+        return x + 100
+    return x * scale if flag else x - scale
+
+
+def test_float_and_bool_inputs_select_graphs_and_a_changed_constant_is_refused() -> None:
+    fn = ngr.make_graphed_callable(_scaled, [_randn(3), 0.5, True, "a"])
+    for scale, flag in [(0.5, True), (0.7, True), (0.5, False), (0.7, True)]:
+        x = _randn(3)
+        _assert_same(fn(x, scale, flag, "a"), _scaled(x, scale, flag, "a"))
+    assert fn.num_captures == 3
+    with pytest.raises(PolicyError, match="constant input 3 is 'b' but the graph was captured with 'a'"):
+        fn(_randn(3), 0.5, True, "b")

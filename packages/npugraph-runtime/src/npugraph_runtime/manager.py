@@ -115,6 +115,7 @@ class GraphedCallable:
         self._user = [i for i, k in enumerate(kinds) if k is SlotKind.USER]
         self._mutated = [i for i, k in enumerate(kinds) if k is SlotKind.MUTATED]
         self._static = [i for i, k in enumerate(kinds) if k is SlotKind.STATIC]
+        self._constant = [i for i, k in enumerate(kinds) if k is SlotKind.CONSTANT]
         self._key = key_function(spec)
         self._copy = _compat.foreach_copy()
         self._ptrs_equal = _checked_ptrs_equal()
@@ -158,6 +159,9 @@ class GraphedCallable:
         unchanged, refill = refiller(buffers, copy)
         result, build = self._output_plan(cap)
         data_ptr = _data_ptr
+        pick_constants = picker(self._constant)
+        constants = pick_constants(tuple(cap.args)) if pick_constants is not None else ()
+        changed_constant = self._changed_constant
 
         profiling = _compat.profiler_enabled
 
@@ -171,6 +175,8 @@ class GraphedCallable:
                 return plain(args)
 
         def plain(args: Args) -> object:
+            if pick_constants is not None and not _equal(pick_constants(args), constants):
+                changed_constant(args, constants)
             if core_limit() != captured_limit:
                 return recapture(key, args)
             if all_equal is not None:
@@ -188,6 +194,16 @@ class GraphedCallable:
             return result if build is None else build(args)
 
         return run
+
+    def _changed_constant(self, args: Args, constants: tuple[object, ...]) -> None:
+        for i, was in zip(self._constant, constants, strict=True):
+            if not _equal((args[i],), (was,)):
+                raise PolicyError(
+                    f"{self.name}: constant input {i} is {args[i]!r} but the graph was captured "
+                    f"with {was!r}; a replay can only repeat the captured value. Pass values that "
+                    "change as ints, floats or bools (SlotKind.SYMBOLIC: one graph per value), "
+                    "or call reset()"
+                )
 
     def _watched(self) -> list[int]:
         """Inputs the graph uses in place whose address the hot path checks."""
@@ -436,10 +452,10 @@ class GraphedCallable:
                     f"{self.name}: input {i} is {kind.value} in the InputSpec but is a "
                     f"{type(a).__name__}; pass a tensor or change the spec"
                 )
-            if kind is SlotKind.SYMBOLIC and (not isinstance(a, int) or isinstance(a, bool)):
+            if kind is SlotKind.SYMBOLIC and not isinstance(a, int | float):
                 raise PolicyError(
                     f"{self.name}: input {i} is symbolic in the InputSpec but is a "
-                    f"{type(a).__name__}; pass an int or change the spec"
+                    f"{type(a).__name__}; pass an int, float or bool or change the spec"
                 )
 
     @property
@@ -539,6 +555,14 @@ def clone_together(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         )
         for t in tensors
     ]
+
+
+def _equal(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
+    """Constant inputs equal (identical, or ``==`` where that answers a plain bool)."""
+    try:
+        return bool(a == b)
+    except Exception:  # an object whose == is elementwise or refuses (numpy arrays)
+        return all(x is y for x, y in zip(a, b, strict=True))
 
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -19,7 +19,7 @@ class SlotKind(enum.Enum):
     STATIC = "static"  # parameters, buffers, mark_static_address: never copied
     MUTATED = "mutated"  # updated in place by the graph (KV cache): never copied, new address -> recapture
     USER = "user"  # copied into the capture's buffer when its address differs
-    SYMBOLIC = "symbolic"  # an int that selects the graph key
+    SYMBOLIC = "symbolic"  # a number (int, float, bool) whose value selects the graph key
     CONSTANT = "constant"  # any other non-tensor argument: passed through, must not change
 
 
@@ -47,8 +47,10 @@ class InputSpec:
         static_argnums: Sequence[int] = (),
         mutated_argnums: Sequence[int] = (),
     ) -> InputSpec:
-        """Tensors are USER unless listed as static or mutated; ints are SYMBOLIC (they key the
-        graph); anything else is CONSTANT. Every dim of a user or mutated tensor is keyed."""
+        """Tensors are USER unless listed as static or mutated; ints, floats and bools are
+        SYMBOLIC (their values key the graph: a replay can only repeat the value it captured);
+        anything else is CONSTANT (checked on every call). Every dim of a user or mutated tensor
+        is keyed."""
         n = len(example_inputs)
         for name, nums in (("static_argnums", static_argnums), ("mutated_argnums", mutated_argnums)):
             for i in nums:
@@ -65,7 +67,7 @@ class InputSpec:
         for i, x in enumerate(example_inputs):
             if isinstance(x, torch.Tensor):
                 kind = SlotKind.STATIC if i in static else SlotKind.MUTATED if i in mutated else SlotKind.USER
-            elif isinstance(x, int) and not isinstance(x, bool):
+            elif isinstance(x, int | float):  # bool is an int
                 kind = SlotKind.SYMBOLIC
             else:
                 kind = SlotKind.CONSTANT
