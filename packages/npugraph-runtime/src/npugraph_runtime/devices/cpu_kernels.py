@@ -55,8 +55,10 @@ def is_allocation(func: Any) -> bool:
     return overload_name(func) in _ALLOCATIONS
 
 
-def write_positions(func: Any) -> tuple[list[int], list[str]]:
-    """Positional indices and keyword names of the arguments the op writes (``Tensor(a!)``)."""
+@cache
+def write_positions(func: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Positional indices and keyword names of the arguments the op writes (``Tensor(a!)``).
+    Cached: it is asked for every op of every capture."""
     positions: list[int] = []
     names: list[str] = []
     for i, arg in enumerate(_compat.op_schema(func).arguments):
@@ -65,7 +67,7 @@ def write_positions(func: Any) -> tuple[list[int], list[str]]:
                 names.append(arg.name)
             else:
                 positions.append(i)
-    return positions, names
+    return tuple(positions), tuple(names)
 
 
 def single_tensor_returns(func: Any) -> bool:
@@ -292,7 +294,7 @@ def inplace_method_name(func: Any, args: Sequence[Any]) -> str | None:
     """The ``Tensor`` method for an op that only writes its first argument and returns it."""
     positions, names = write_positions(func)
     returns = _compat.op_schema(func).returns
-    if positions != [0] or names or len(returns) != 1 or not args:
+    if positions != (0,) or names or len(returns) != 1 or not args:
         return None
     if not isinstance(args[0], torch.Tensor) or args[0].layout != torch.strided:
         return None
