@@ -647,3 +647,63 @@ def test_clone_output_keeps_aliasing_between_outputs() -> None:
             y, flat = c(_randn(2, 3))
         y.add_(1)
         assert_close(flat, y.view(-1))
+
+
+# ---- one cache across calls (the replay path of mutated inputs, not the recapture path) -------
+
+
+def _same_state_calls(
+    f: Callable[..., Any], compiled: Callable[..., Any], state: tuple[torch.Tensor, ...],
+    make_args: Callable[[int], tuple[Any, ...]], calls: int = 5,
+) -> None:
+    state_e = _clone(state)
+    for i in range(calls):
+        args = make_args(i)
+        with torch.no_grad():
+            got = compiled(*state, *args)
+            want = f(*state_e, *_clone(args))
+        assert_close(got, want, msg=lambda m, i=i: f"call {i}: {m}")
+        assert_close(state, state_e, msg=lambda m, i=i: f"call {i} (state after): {m}")
+
+
+def test_same_kv_cache_every_call_written_then_read() -> None:
+    def f(k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, kn: torch.Tensor,
+          vn: torch.Tensor) -> torch.Tensor:
+        k.index_copy_(1, pos, kn)
+        v.index_copy_(1, pos, vn)
+        att = (k * kn.sum(1, keepdim=True)).sum(-1).softmax(-1)
+        return (att.unsqueeze(-1) * v).sum(1)
+
+    _same_state_calls(f, _compile(f), (torch.zeros(2, 6, 4), torch.zeros(2, 6, 4)),
+                      lambda i: (torch.tensor([i]), _randn(2, 1, 4), _randn(2, 1, 4)))
+
+
+def test_same_base_of_two_input_views_every_call() -> None:
+    def f(base: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return g(base[:6], base[2:], x)
+
+    def g(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        a.mul_(0.5)
+        b.add_(x)
+        return a + b
+
+    c = _compile(g)
+    _same_state_calls(f, lambda base, x: c(base[:6], base[2:], x), (_randn(8),),
+                      lambda i: (_randn(6),))
+
+
+def test_recurrent_state_fed_back_from_the_output() -> None:
+    def f(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        h.mul_(0.5)
+        return torch.tanh(h + x)
+
+    c = _compile(f)
+    h = _randn(3)
+    h_e = h.clone()
+    for i in range(5):
+        x = _randn(3)
+        with torch.no_grad():
+            out = c(x, h)
+            want = f(x.clone(), h_e)
+        assert_close(out, want, msg=lambda m, i=i: f"call {i}: {m}")
+        h, h_e = out, want
