@@ -520,14 +520,21 @@ def test_called_with_keyword_arguments() -> None:
             assert_close(c(scale=s, x=x), m(x, scale=s))
 
 
-def test_parameter_reassigned_between_calls() -> None:
+@pytest.mark.parametrize("how", ["new_parameter", "data", "set_"])
+def test_parameter_rebound_between_calls(how: str) -> None:
     m = nn.Linear(4, 3)
     c = _compile(m, options={"frozen_parameter": False})
     for _ in range(CALLS + 1):
         x = _randn(2, 4)
         with torch.no_grad():
             assert_close(c(x), m(x))
-        m.weight = nn.Parameter(_randn(3, 4))
+            new = _randn(3, 4)
+            if how == "new_parameter":
+                m.weight = nn.Parameter(new)
+            elif how == "data":
+                m.weight.data = new
+            else:
+                m.weight.set_(new)
 
 
 def test_parameter_updated_in_place_between_calls() -> None:
