@@ -631,3 +631,14 @@ def test_float_and_bool_inputs_select_graphs_and_a_changed_constant_is_refused()
     assert fn.num_captures == 3
     with pytest.raises(PolicyError, match="constant input 3 is 'b' but the graph was captured with 'a'"):
         fn(_randn(3), 0.5, True, "b")
+
+
+def test_the_capture_write_watch_lets_higher_order_operators_through() -> None:
+    """The manager watches writes during captures on every device; on CUDA a graph may hold a
+    higher-order operator (torch.cond), which must run as without the watch."""
+    from npugraph_runtime.inputs import WriteWatch
+
+    x = _randn(4)
+    with WriteWatch({}):
+        got = torch.cond(x.sum() > 0, lambda v: v.sin(), lambda v: v.cos(), (x,))
+    _assert_same(got, x.sin() if x.sum() > 0 else x.cos())

@@ -36,6 +36,9 @@ class WriteWatch(TorchDispatchMode):  # type: ignore[misc]
     """Notes which of the watched storages (address -> input index) an op writes in place, by
     the op's schema. Active while the manager captures, on every device."""
 
+    # higher-order operators (cond, invoke_subgraph, ...) pass through unchecked rather than fail
+    supports_higher_order_operators = True
+
     def __init__(self, watched: dict[int, int]) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.watched = watched
@@ -45,7 +48,10 @@ class WriteWatch(TorchDispatchMode):  # type: ignore[misc]
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        positions, names = write_positions(func)
+        try:
+            positions, names = write_positions(func)
+        except AttributeError:  # a higher-order operator has no schema
+            return func(*args, **kwargs)
         if positions or names:
             targets = [args[i] for i in positions if i < len(args)] + [kwargs.get(n) for n in names]
             for t in _flat_tensors(targets):
