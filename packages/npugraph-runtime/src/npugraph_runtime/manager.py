@@ -612,7 +612,8 @@ def make_graphed_callable(
 ) -> GraphedCallable:
     """A GraphedCallable for hand-written capture. Tensors are user inputs unless listed in
     ``static_argnums`` (never copied: the caller keeps them at one address, e.g. parameters) or
-    ``mutated_argnums`` (updated in place by ``fn``, e.g. a KV cache); ints key the graph; every
+    ``mutated_argnums`` (updated in place by ``fn``, e.g. a KV cache); ints, floats and bools
+    key the graph (one capture per value); other non-tensors must not change between calls; every
     dim of a user or mutated tensor keys the graph. ``policies`` are CapturePolicy fields.
     Nothing is captured until the first call."""
     unknown = sorted(set(policies) - set(_POLICY_NAMES))
