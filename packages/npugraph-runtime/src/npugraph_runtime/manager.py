@@ -81,7 +81,10 @@ class GraphedCallable:
     guarantees what the spec says: static inputs keep their contents between calls (their
     addresses are checked when ``policy.check_static_addresses``), mutated inputs are the only
     tensors ``fn`` updates in place, every tensor keeps its dtype and device, the dims of a
-    tensor that are not keyed keep their sizes, and constant inputs do not change.
+    tensor that are not keyed keep their sizes, a static or mutated tensor at its captured
+    address keeps its strides (only the address is checked), user inputs share no memory with
+    mutated inputs on later calls either (checked at capture only), and constant inputs do not
+    change (checked every call).
     With ``clone_output=False`` the returned tensors are the graph's static outputs: the next
     call overwrites them. With ``clone_input=False`` the first call's user tensors become the
     capture's buffers and a later call at another address (or layout) overwrites them; a user
