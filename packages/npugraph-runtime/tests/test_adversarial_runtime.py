@@ -642,3 +642,22 @@ def test_the_capture_write_watch_lets_higher_order_operators_through() -> None:
     with WriteWatch({}):
         got = torch.cond(x.sum() > 0, lambda v: v.sin(), lambda v: v.cos(), (x,))
     _assert_same(got, x.sin() if x.sum() > 0 else x.cos())
+
+
+def _decay_cache(cache: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    cache[:, 0].add_(x)
+    cache.mul_(0.5)
+    return cache.sum(1) + x
+
+
+def test_mutated_input_passed_as_a_view_of_a_bigger_tensor() -> None:
+    big = _randn(4, 8)
+    eager_big = big.clone()
+    fn = ngr.make_graphed_callable(_decay_cache, [big[:, 2:6], _randn(4)], mutated_argnums=(0,))
+    for call in range(5):
+        start = 2 if call < 3 else 1  # a new view (new address) recaptures
+        x = _randn(4)
+        want = _decay_cache(eager_big[:, start:start + 4], x.clone())
+        _assert_same(fn(big[:, start:start + 4], x), want)
+        assert torch.equal(big, eager_big)
+    assert [e.reason for e in fn.events] == ["new_key", "mutated_input_change"]
