@@ -661,3 +661,18 @@ def test_mutated_input_passed_as_a_view_of_a_bigger_tensor() -> None:
         _assert_same(fn(big[:, start:start + 4], x), want)
         assert torch.equal(big, eager_big)
     assert [e.reason for e in fn.events] == ["new_key", "mutated_input_change"]
+
+
+def test_an_output_of_one_key_survives_calls_of_other_keys_sharing_the_pool() -> None:
+    """CPU graphs never place outputs in the pool: a key's static output changes only when that
+    key replays again."""
+    fn = ngr.make_graphed_callable(_shaped, [_randn(3, 4)])
+    x3 = _randn(3, 4)
+    fn(x3)
+    out3 = fn(x3)
+    kept = out3.clone()
+    for rows in (5, 7, 5, 9):
+        x = _randn(rows, 4)
+        _assert_same(fn(x), _shaped(x))
+        assert torch.equal(out3, kept)
+    assert fn.num_captures == 4
