@@ -99,6 +99,15 @@ def _accumulate_in_place(x: torch.Tensor, i: torch.Tensor, v: torch.Tensor) -> t
     return x
 
 
+_LSTM = torch.nn.LSTM(4, 5, batch_first=True).eval()
+
+
+@torch.no_grad()
+def _lstm(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    out, (h, c) = _LSTM(x)
+    return out, h, c
+
+
 HAND_CASES: dict[str, tuple[Callable[..., Any], Make]] = {
     "outputs_view_the_input": (lambda x: (x[:, 0], x.t(), x * 2), lambda: [_randn(4, 5)]),
     "output_returned_twice": (lambda x: ((y := x + 1), y), lambda: [_randn(4, 5)]),
@@ -169,6 +178,7 @@ HAND_CASES: dict[str, tuple[Callable[..., Any], Make]] = {
         lambda x, i: (x[i], x[:, i], x[i, i], x[None, i]),
         lambda: [_randn(6, 6), _ints(0, 6, 3)],
     ),
+    "lstm_op_with_an_undefined_result": (_lstm, lambda: [_randn(2, 3, 4)]),
     "clamp_with_tensor_bounds": (
         lambda x, lo, hi: x.clamp(lo, hi),
         lambda: [_randn(8), _randn(8) - 1, _randn(8) + 1],

@@ -264,7 +264,13 @@ def out_candidates(
     binding = public_binding(func.namespace, _compat.op_base_name(func))
     if binding is not None:
         possible.append(Candidate(Kind.COPY, binding))
-    if single_tensor_returns(func) and all(t.layout == torch.strided for _, t in outs):
+    # out= kernels take one buffer per return: only when every return is a tensor produced here
+    # (an undefined optional result, e.g. mkldnn_rnn_layer's workspace, is None)
+    if (
+        single_tensor_returns(func)
+        and len(outs) == len(_compat.op_schema(func).returns)
+        and all(t.layout == torch.strided for _, t in outs)
+    ):
         if binding is not None:
             possible.append(Candidate(Kind.OUT_PUBLIC, binding))
         overload = out_overload(func)
