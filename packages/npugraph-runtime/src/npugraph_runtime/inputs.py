@@ -10,6 +10,7 @@ import torch
 
 from npugraph_runtime._compat import TorchDispatchMode
 from npugraph_runtime.devices.cpu_kernels import write_positions
+from npugraph_runtime.errors import PolicyError
 
 _data_ptr = torch.Tensor.data_ptr
 _stride = torch.Tensor.stride
@@ -72,15 +73,28 @@ def _flat_tensors(values: Sequence[object]) -> list[torch.Tensor]:
     return found
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``t`` may touch, [first, last + 1) (empty for no elements)."""
+    if t.numel() == 0:
+        return 0, 0
+    start = t.data_ptr()
+    reach = sum((n - 1) * d for n, d in zip(t.shape, t.stride(), strict=True))
+    return start, start + (reach + 1) * t.element_size()
+
+
 def refiller(
     buffers: Sequence[torch.Tensor],
     copy: Callable[[list[torch.Tensor], Sequence[torch.Tensor]], object],
+    slots: Sequence[int],
 ) -> tuple[Callable[[Sequence[torch.Tensor]], bool], Callable[[Sequence[torch.Tensor]], None]]:
     """For clone_input=False: ``(unchanged, refill)``. ``unchanged(sources)`` is the hot-path test
     (every source is its buffer's exact view: same address and strides, so nothing is copied);
-    ``refill(sources)`` copies each other source into its buffer. A source that shares memory
-    with a buffer (the same tensor seen transposed, a sliding window of one tensor, two inputs
-    swapped) is read completely before any buffer is written."""
+    ``refill(sources)`` copies each other source into its buffer (``slots``: their input indices,
+    for messages). A source that shares memory with a buffer (the same tensor seen transposed)
+    is read completely before any buffer is written. A buffer that is the caller's tensor and
+    whose bytes this very call passes as an input (the same tensor transposed, two tensors
+    swapped, overlapping windows of one tensor) is never overwritten: that raises PolicyError
+    instead of changing the caller's data."""
     ptrs = list(map(_data_ptr, buffers))
     strides = list(map(_stride, buffers))
     storages = {storage_ptr(b) for b in buffers} - {0}
@@ -91,9 +105,19 @@ def refiller(
     def refill(sources: Sequence[torch.Tensor]) -> None:
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
-        for buf, ptr, stride, src in zip(buffers, ptrs, strides, sources, strict=True):
+        live = [_span(src) for src in sources]
+        for slot, buf, ptr, stride, src in zip(slots, buffers, ptrs, strides, sources, strict=True):
             if src.data_ptr() == ptr and src.stride() == stride:
                 continue
+            lo, hi = _span(buf)
+            if any(a < hi and lo < b for a, b in live):
+                raise PolicyError(
+                    f"clone_input=False: input {slot}'s capture buffer is the tensor given as "
+                    f"input {slot} at capture, and this call passes its memory as an input too; "
+                    f"copying the new input {slot} into it would change the caller's data. Pass "
+                    "tensors that do not share memory with the first call's, or use "
+                    "clone_input=True"
+                )
             if storage_ptr(src) in storages:
                 src = src.clone()
             dsts.append(buf)

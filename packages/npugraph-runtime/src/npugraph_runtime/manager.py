@@ -159,7 +159,7 @@ class GraphedCallable:
         buffers = cap.buffers
         copy = self._copy
         always_copy = self._policy.clone_input  # owned buffers never equal a caller's tensor
-        unchanged, refill = refiller(buffers, copy)
+        unchanged, refill = refiller(buffers, copy, self._user)
         result, build = self._output_plan(cap)
         data_ptr = _data_ptr
         pick_constants = picker(self._constant)
@@ -350,24 +350,46 @@ class GraphedCallable:
         in_place = {i for i in self._static + self._mutated}
         if not self._policy.clone_input:
             in_place.update(self._user)
+        user_buffers = {storage_ptr(b): (i, b) for i, b in zip(self._user, cap.buffers, strict=True)}
+        user_buffers.pop(0, None)
         alias: list[tuple[int, int]] = []
         clone: list[int] = []
+        views: list[_BufferView] = []
         for pos, o in enumerate(outs):
             if not isinstance(o, torch.Tensor):
                 continue
             j = declared[pos] if pos < len(declared) else None
             if j is None:
                 j = next((i for i, a in enumerate(cap.args) if _same_view(o, a)), None)
+            hit = user_buffers.get(storage_ptr(o))
             if j is not None and _same_view(o, cap.args[j]):
                 alias.append((pos, j))
+            elif hit is not None:
+                # a view of a user input's buffer: eager returns that view of the caller's
+                # tensor, and a buffer view must never reach the caller (fed back as an input,
+                # it would change while the buffers are refilled)
+                i, b = hit
+                views.append(_BufferView(pos, i, tuple(o.shape), o.stride(),
+                                         int(o.storage_offset() - b.storage_offset()), o.dtype,
+                                         b.stride()))
             elif j is not None and j in in_place and _same_storage(o, cap.args[j]):  # type: ignore[arg-type]
                 continue  # a view of the caller's own tensor, as in eager
             elif self._policy.clone_output:
                 clone.append(pos)
         singles, groups = _clone_groups(outs, clone)
+
+        def place(res: list[object], args: Args) -> None:
+            for p, j in alias:
+                res[p] = args[j]
+            for v in views:
+                a: torch.Tensor = args[v.slot]  # type: ignore[assignment]
+                if a.dtype == v.dtype and a.stride() == v.buffer_stride:
+                    res[v.pos] = a.as_strided(v.size, v.stride, a.storage_offset() + v.offset)
+                else:  # the caller's layout differs from the buffer's: a copy of the values
+                    res[v.pos] = res[v.pos].clone()  # type: ignore[attr-defined]
         if isinstance(out, torch.Tensor) or structure is None:
             # a tensor, or a flat tuple: immutable, so the same object can be returned every call
-            if not alias and not clone:
+            if not alias and not clone and not views:
                 return out, None
             single = isinstance(out, torch.Tensor)
 
@@ -378,8 +400,7 @@ class GraphedCallable:
                 for group in groups:
                     for p, t in zip(group, clone_together([res[p] for p in group]), strict=True):  # type: ignore[misc]
                         res[p] = t
-                for p, j in alias:
-                    res[p] = args[j]
+                place(res, args)
                 return res[0] if single else tuple(res)
 
             return None, build_flat
@@ -392,8 +413,7 @@ class GraphedCallable:
             for group in groups:
                 for p, t in zip(group, clone_together([res[p] for p in group]), strict=True):  # type: ignore[misc]
                     res[p] = t
-            for p, j in alias:
-                res[p] = args[j]
+            place(res, args)
             return _unflatten(structure, iter(res))
 
         return None, build
@@ -482,6 +502,19 @@ class GraphedCallable:
             f"GraphedCallable({self.name!r}, captures={len(self._captures)}, "
             f"fell_back={self.fell_back})"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class _BufferView:
+    """An output that views a user input's capture buffer, rebuilt on the caller's tensor."""
+
+    pos: int  # position among the flattened outputs
+    slot: int  # the user input
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int  # elements from the buffer's own storage offset
+    dtype: torch.dtype
+    buffer_stride: tuple[int, ...]
 
 
 # The nesting of fn's result: None for a leaf, else (is_list, children). A flat tuple's
