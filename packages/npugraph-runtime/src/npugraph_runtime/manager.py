@@ -87,8 +87,10 @@ class GraphedCallable:
     change (checked every call).
     With ``clone_output=False`` the returned tensors are the graph's static outputs: the next
     call overwrites them. With ``clone_input=False`` the first call's user tensors become the
-    capture's buffers and a later call at another address (or layout) overwrites them; a user
-    tensor that shares memory with another input, or overlaps itself, gets an owned buffer.
+    capture's buffers and a later call at another address overwrites them (a call whose inputs
+    overlap them raises PolicyError instead); a user tensor that shares memory with another
+    input, or overlaps itself, gets an owned buffer. Outputs that view a user input are views of
+    the caller's tensor, as in eager.
     Refused at capture (PolicyError): fn writing a user or static input in place (declare it
     mutated), and a user input sharing memory with a mutated input."""
 
