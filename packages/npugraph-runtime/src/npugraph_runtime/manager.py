@@ -389,26 +389,8 @@ class GraphedCallable:
                     res[v.pos] = a.as_strided(v.size, v.stride, a.storage_offset() + v.offset)
                 else:  # the caller's layout differs from the buffer's: a copy of the values
                     res[v.pos] = res[v.pos].clone()  # type: ignore[attr-defined]
-        if isinstance(out, torch.Tensor) or structure is None:
-            # a tensor, or a flat tuple: immutable, so the same object can be returned every call
-            if not alias and not clone and not views:
-                return out, None
-            single = isinstance(out, torch.Tensor)
-
-            def build_flat(args: Args) -> object:
-                res: list[object] = list(outs)
-                for p in singles:
-                    res[p] = res[p].clone()  # type: ignore[attr-defined]
-                for group in groups:
-                    for p, t in zip(group, clone_together([res[p] for p in group]), strict=True):  # type: ignore[misc]
-                        res[p] = t
-                place(res, args)
-                return res[0] if single else tuple(res)
-
-            return None, build_flat
-
-        def build(args: Args) -> object:
-            # lists are rebuilt every call: a caller appending to one never changes the next result
+        def fresh(args: Args) -> list[object]:
+            """This call's flat outputs: clones where asked, the caller's inputs where aliased."""
             res: list[object] = list(outs)
             for p in singles:
                 res[p] = res[p].clone()  # type: ignore[attr-defined]
@@ -416,7 +398,23 @@ class GraphedCallable:
                 for p, t in zip(group, clone_together([res[p] for p in group]), strict=True):  # type: ignore[misc]
                     res[p] = t
             place(res, args)
-            return _unflatten(structure, iter(res))
+            return res
+
+        if isinstance(out, torch.Tensor) or structure is None:
+            # a tensor, or a flat tuple: immutable, so the same object can be returned every call
+            if not alias and not clone and not views:
+                return out, None
+            single = isinstance(out, torch.Tensor)
+
+            def build_flat(args: Args) -> object:
+                res = fresh(args)
+                return res[0] if single else tuple(res)
+
+            return None, build_flat
+
+        def build(args: Args) -> object:
+            # lists are rebuilt every call: a caller appending to one never changes the next result
+            return _unflatten(structure, iter(fresh(args)))
 
         return None, build
 
