@@ -265,3 +265,12 @@ def _schema_default(node: torch.fx.Node, name: str) -> tuple[bool, Any]:
         if arg.name == name:
             return (True, arg.default_value) if arg.has_default_value() else (False, None)
     return False, None
+
+
+# Namespace and bare name of a dispatcher op (``_c10d_functional``, ``all_reduce_``), from
+# OpOverload.namespace and the schema name; how the passes recognise collectives, since torch
+# has no collective tag (torch.Tag on 2.13.0 has none). Checked on 2.13.0 (stable since 2.0).
+def op_namespace_and_name(op: object) -> tuple[str, str] | None:
+    if not isinstance(op, OpOverload):
+        return None
+    return str(op.namespace), str(op._schema.name.split("::")[-1])
