@@ -9,7 +9,6 @@ replay tests live in the backend's suite.
 from __future__ import annotations
 
 import datetime
-import socket
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -22,6 +21,7 @@ from npugraph_passes._compat import compiled_inference_graphs
 from npugraph_passes.aliasing import node_storage, written_args
 from npugraph_passes.collectives import is_collective, is_collective_wait, is_ordering_point
 from npugraph_passes.manager import PassManager
+from npugraph_passes.noop import remove_noop_ops
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -35,10 +35,8 @@ def gloo_world() -> Iterator[None]:
     if dist.is_initialized():  # another module of the session made one: use it
         yield
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+    # Port 0: the one rank's store picks a free loopback port itself.
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1,
                             timeout=datetime.timedelta(seconds=30))
     try:
         yield
@@ -217,3 +215,20 @@ def test_collectives_are_recognised_by_namespace() -> None:
     assert is_collective(ar) and not is_collective_wait(ar)
     assert is_collective_wait(wait) and not is_collective(wait)
     assert not is_ordering_point(add) and not is_ordering_point(x)
+
+
+def test_a_clone_written_by_a_legacy_c10d_collective_is_not_removed() -> None:
+    # c10d.allreduce_ writes its tensors with no "!" in its schema; dropping the clone would make
+    # it reduce the graph input in place.
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.empty(4)
+    group, op = graph.placeholder("group"), graph.placeholder("op")
+    y = graph.call_function(aten.clone.default, (x,))
+    y.meta["val"] = torch.empty(4)
+    reduce = graph.call_function(torch.ops.c10d.allreduce_.default, ([y], group, op, None))
+    graph.output((y, reduce))
+    assert y in written_args(reduce) and is_collective(reduce)
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    remove_noop_ops(gm, [], None)
+    assert aten.clone.default in {n.target for n in _calls(gm)}

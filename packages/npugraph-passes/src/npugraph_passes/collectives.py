@@ -45,6 +45,13 @@ def is_collective_wait(node: torch.fx.Node) -> bool:
     return _kind(node) == "wait"
 
 
+def is_unannotated_collective(node: torch.fx.Node) -> bool:
+    """A legacy ``c10d`` op (``c10d.allreduce_``): it writes its tensor arguments although its
+    schema carries no ``!`` annotation."""
+    qualified = _compat.op_namespace_and_name(node.target) if node.op == "call_function" else None
+    return qualified is not None and qualified[0] == "c10d"
+
+
 def is_ordering_point(node: torch.fx.Node) -> bool:
     """A collective or a wait: never rewritten, never moved across."""
     return _kind(node) is not None

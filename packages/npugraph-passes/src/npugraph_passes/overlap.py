@@ -14,7 +14,8 @@ compared with guard-free checks; whatever cannot be decided counts as overlappin
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -26,15 +27,25 @@ def _known(x: Any) -> bool:
     return x is True or (not isinstance(x, bool) and _compat.statically_known_true(x))
 
 
+def _by_stride(strides: Sequence[Any]) -> Callable[[int, int], int]:
+    def compare(a: int, b: int) -> int:
+        if _known(strides[a] < strides[b]):
+            return -1
+        if _known(strides[b] < strides[a]):
+            return 1
+        return b - a  # undecided (or equal): the later dimension first, as in row-major
+    return compare
+
+
 def _orders(sizes: Sequence[Any], strides: Sequence[Any]) -> list[list[int]]:
-    """Candidate innermost-first dimension orders: by static strides when all are ints, and the
-    row-major order (last dimension innermost), which is the layout of most views."""
+    """Candidate innermost-first dimension orders: the row-major order (last dimension
+    innermost, the layout of most views) and the order of the strides as far as it is known.
+    Any order is only a candidate: :func:`_injective` proves or rejects it."""
     dims = list(range(len(sizes)))
     orders = [dims[::-1]]
-    if all(isinstance(s, int) for s in strides):
-        by_stride = sorted(dims, key=lambda d: (strides[d], -d))
-        if by_stride != orders[0]:
-            orders.append(by_stride)
+    by_stride = sorted(dims, key=functools.cmp_to_key(_by_stride(strides)))
+    if by_stride != orders[0]:
+        orders.append(by_stride)
     return orders
 
 
