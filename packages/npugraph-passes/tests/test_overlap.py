@@ -158,3 +158,13 @@ def test_symbolic_sizes_decide_overlap_without_guessing() -> None:
         inplace_pass(gm, example, None)
         gm.recompile()
         assert (aten.mul_.Tensor in _targets(gm)) is in_place
+
+
+def test_strides_of_size_one_dimensions_do_not_block_a_rewrite() -> None:
+    # The decode step's (batch, heads, 1, dim) views: the stride of the length-1 dimension is
+    # arbitrary and places no element.
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x.exp().transpose(1, 2) * 2
+
+    gm = _passes(f, [torch.randn(1, 1, 4, 8)], run=lambda gm, ex: inplace_pass(gm, ex, None))
+    assert aten.mul_.Tensor in _targets(gm)

@@ -193,6 +193,16 @@ def _written_view(node: torch.fx.Node, buf: torch.Tensor) -> torch.Tensor | None
     return view
 
 
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal strides where they matter: a dimension of size 1 places no element by its stride."""
+    for size, sa, sb in zip(a.shape, a.stride(), b.stride(), strict=True):
+        if _compat.statically_known_true(size == 1):
+            continue
+        if not _compat.statically_known_true(sa == sb):
+            return False
+    return True
+
+
 def _fits_in_place(node: torch.fx.Node, dst: torch.fx.Node) -> bool:
     """``node``'s result may live in ``dst``: same shape, strides (a later ``as_strided`` or
     ``view`` reads the layout), dtype and device, and every element written has memory of its
@@ -207,7 +217,7 @@ def _fits_in_place(node: torch.fx.Node, dst: torch.fx.Node) -> bool:
         and not may_self_overlap(buf)
     ):
         return False
-    if not _compat.statically_known_true(_compat.sym_eq(out.stride(), buf.stride())):
+    if not _same_layout(out, buf):
         return False
     written = _written_view(node, buf)
     return written is not None and not may_self_overlap(written)
