@@ -232,3 +232,25 @@ def test_a_clone_written_by_a_legacy_c10d_collective_is_not_removed() -> None:
     gm = torch.fx.GraphModule(torch.nn.Module(), graph)
     remove_noop_ops(gm, [], None)
     assert aten.clone.default in {n.target for n in _calls(gm)}
+
+
+class _RowParallelMLP(torch.nn.Module):
+    """Column-parallel gate/up, row-parallel down with an all_reduce, then the residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(8, 16, bias=False)
+        self.up = torch.nn.Linear(8, 16, bias=False)
+        self.down = torch.nn.Linear(16, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.down(torch.nn.functional.silu(self.gate(x)) * self.up(x))
+        dist.all_reduce(out)
+        return x + out
+
+
+def test_tensor_parallel_mlp_keeps_its_all_reduce_and_the_rest_is_still_rewritten() -> None:
+    gm, _ = _optimised(_RowParallelMLP().eval(), [torch.randn(2, 3, 8)])
+    _assert_collectives_untouched(gm, "all_reduce")
+    targets = {n.target for n in _calls(gm)}
+    assert {aten.silu_.default, aten.mul_.Tensor} <= targets
