@@ -13,7 +13,7 @@ def compile_on_every_device(compile_config: Any) -> None:
     transformers' ``generate`` compiles the decode step only on CUDA (4.5x; 5.x: CUDA, XPU,
     Neuron, TPU) unless the private flag ``CompileConfig._compile_all_devices`` is set; on the
     CPU and on an Ascend NPU it otherwise skips compilation with one log line. Checked on
-    transformers 4.57.6, 5.17.0 and 5.18.0 (``GenerationMixin._valid_auto_compile_criteria``
+    transformers 4.57.6 and 5.18.0 (``GenerationMixin._valid_auto_compile_criteria``
     reads the flag; ``CompileConfig.to_dict`` leaves it out of torch.compile's arguments)."""
     if not hasattr(type(compile_config), "_compile_all_devices"):
         import transformers
