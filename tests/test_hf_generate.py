@@ -86,3 +86,15 @@ def test_options_are_passed_and_validated_up_front() -> None:
 
     assert _captures() == 0
     assert any(k.startswith("eager_fallback_due_to_force_eager") for k in counters["npugraph_ex"])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_generate_with_compile_config_captures_on_cuda_and_matches_eager() -> None:
+    model = _model().cuda()
+    config = compile_config()
+    for seed in range(PROMPTS):
+        prompt = _prompt(seed).cuda()
+        assert _generate(model, prompt, compile_config=config) == _generate(
+            model, prompt, disable_compile=True)
+    assert _captures() >= 1
