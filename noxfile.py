@@ -4,6 +4,8 @@ resolves an unpinned torch (which would pull a multi-GB CUDA build on a CPU mach
 from __future__ import annotations
 
 import os
+import shlex
+from pathlib import Path
 
 import nox
 
@@ -24,7 +26,13 @@ PACKAGES = {
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100"]
 
 
+def _phase(session: nox.Session, text: str) -> None:
+    """One line before each long step: pip and mypy print nothing while they work."""
+    session.log(f"[{session.name}] {text}")
+
+
 def _install_torch(session: nox.Session, version: str = DEFAULT_TORCH) -> None:
+    _phase(session, f"installing torch=={version} (pip's output hidden; nox -v shows it)")
     session.install(f"torch=={version}")
 
 
@@ -33,12 +41,20 @@ def _install_all(session: nox.Session, torch: str = DEFAULT_TORCH, extras: str =
     editable = [arg for pkg in PACKAGES for arg in ("-e", f"packages/{pkg}")]
     # transformers pinned for reproducible test models (the extra allows a range);
     # NPUGRAPH_TRANSFORMERS=5.24.0 nox -s tests checks another release
+    _phase(session, f"installing the packages (editable) and transformers=={DEFAULT_TRANSFORMERS}")
     session.install(*editable, "-e", f".[{extras}]", f"torch=={torch}",
                     f"transformers=={DEFAULT_TRANSFORMERS}")
 
 
+def _mypy(session: nox.Session) -> None:
+    trees = [f"packages/{pkg}/src" for pkg in PACKAGES] + ["src"]
+    _phase(session, f"mypy --strict on {', '.join(trees)} (prints only at the end)")
+    session.run("mypy", *trees)
+
+
 def _pytest(session: nox.Session, *paths: str) -> None:
     args = list(session.posargs) or ["-q", *paths]
+    _phase(session, f"pytest {' '.join(args)}")
     session.run("python", "-m", "pytest", *args)
 
 
@@ -73,7 +89,7 @@ def tests_pkg(session: nox.Session, package: str) -> None:
 def typecheck(session: nox.Session) -> None:
     """mypy --strict on every package's src/."""
     _install_all(session)
-    session.run("mypy", *[f"packages/{pkg}/src" for pkg in PACKAGES], "src")
+    _mypy(session)
 
 
 @nox.session(python=PYTHON)
@@ -98,11 +114,38 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def ci(session: nox.Session) -> None:
-    """What .ci/run calls: lint, types, then the whole test suite."""
+    """What .ci/run calls: lint, types, the whole test suite, then `readme` (a clean install
+    as the README gives it)."""
     _install_all(session)
+    _phase(session, "ruff check .")
     session.run("ruff", "check", ".")
-    session.run("mypy", *[f"packages/{pkg}/src" for pkg in PACKAGES], "src")
-    _pytest(session)
+    _mypy(session)
+    # the README's blocks run once, in `readme`, against the packages as the README installs them
+    _pytest(session, "--ignore=tests/test_readme_examples.py")
+    session.notify("readme", posargs=[])
+
+
+README_INSTALL = "python -m pip install -r requirements/local.txt"
+
+
+@nox.session(python=PYTHON, reuse_venv=False)
+def readme(session: nox.Session) -> None:
+    """A newcomer's path in a clean venv: the README's pip command exactly as written there, then
+    `npugraph-ex demo --quick` and every Python block of the README."""
+    readme_text = Path("README.md").read_text()
+    if README_INSTALL not in readme_text.splitlines():
+        session.error(f"README.md no longer gives {README_INSTALL!r} on a line of its own: "
+                      "update README_INSTALL in noxfile.py to the documented command")
+    _phase(session, f"installing as the README says: {README_INSTALL}")
+    session.run(*shlex.split(README_INSTALL))
+    _phase(session, "the CLI: npugraph-ex --version, then npugraph-ex demo --quick")
+    session.run("npugraph-ex", "--version")
+    session.run("npugraph-ex", "demo", "--quick", "--no-progress", "--out",
+                f"{session.create_tmp()}/demo-results")
+    _phase(session, "pytest on the README's Python blocks (installed packages, not src/)")
+    session.install(*TEST_DEPS)
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                "tests/test_readme_examples.py", *session.posargs)
 
 
 @nox.session(python=False)

@@ -53,3 +53,31 @@ def test_demo_quick_on_cuda_tokens_match_eager(tmp_path: Path) -> None:
     _, doc = run_demo(tmp_path, "--device", "cuda")
     assert doc["tokens_identical"] is True
     assert doc["captures"] >= 1
+
+
+def test_demo_without_tqdm_and_matplotlib_prints_each_phase_and_says_png_skipped(
+        tmp_path: Path) -> None:
+    # A minimal install: None in sys.modules makes `import tqdm` / `import matplotlib` fail.
+    script = ("import sys; sys.modules['tqdm'] = sys.modules['matplotlib'] = None; "
+              "from npugraph_ex.demo import main; "
+              f"sys.exit(main(['--quick', '--out', {str(tmp_path)!r}]))")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "npugraph_ex: compile and capture (steps 1-2) ..." in lines
+    assert any(ln.startswith("npugraph_ex: compile and capture done in ") for ln in lines)
+    assert any(ln.startswith("npugraph_ex: decoded in ") for ln in lines)
+    assert any(ln.startswith("demo.png skipped: matplotlib is not installed") for ln in lines)
+    assert not (tmp_path / "demo.png").exists()
+    assert json.loads((tmp_path / "demo.json").read_text())["tokens_identical"] is True
+
+
+def test_demo_device_choices_match_the_help() -> None:
+    proc = subprocess.run([sys.executable, "-m", "npugraph_ex.cli", "demo", "--device", "tpu"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "allowed: cpu, cuda or npu" in proc.stderr
+    from npugraph_ex.demo import parser
+
+    assert "cpu, cuda or npu" in parser().format_help()

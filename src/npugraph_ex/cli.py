@@ -1,4 +1,7 @@
-"""The `npugraph-ex` command: doctor, demo, bench, cache."""
+"""The `npugraph-ex` command: doctor, demo, bench, cache.
+
+`--help` and `--version` must answer at once: nothing at module level here (nor in the
+package's ``__init__``) imports torch; each command imports what it needs when it runs."""
 
 from __future__ import annotations
 

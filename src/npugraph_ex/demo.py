@@ -41,7 +41,9 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=32, help="tokens to generate (default 32)")
     p.add_argument("--out", default="demo-results", help="folder for demo.json and demo.png")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: the best present)")
+    p.add_argument("--device", default=None,
+                   help="cpu, cuda or npu, with an optional index such as cuda:1 (default: the "
+                        "best present: cuda, then npu, else cpu)")
     p.add_argument("--size", choices=("tiny", "1b"), default="tiny",
                    help="model size: tiny (default) or about 1B parameters (for a GPU)")
     p.add_argument("--quick", action="store_true",
@@ -83,26 +85,62 @@ class _Pool:
         return None
 
 
+def _phase(text: str) -> None:
+    print(text, flush=True)
+
+
 def decode(ctx: BenchContext, dec: Any, name: str, prompt: torch.Tensor, n: int,
            options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Greedy-decode n tokens with `name`; per-step seconds and the tokens."""
+    """Greedy-decode n tokens with `name`; per-step seconds and the tokens. The first steps
+    (compile, warm-up, capture) are a phase of their own, with a line before and after, so that
+    the progress bar of the steady steps shows a real rate and ETA."""
     torch.compiler.reset()
     start = time.perf_counter()
     step = compile_with(dec.step, name, options=options)
+    label = "npugraph_ex" if name == OURS else name
+    first = {"eager": "first steps", "aot_eager": "compile"}.get(name, "compile and capture")
     with torch.no_grad():
         token = dec.prefill(prompt)
         tokens = [int(t) for t in token.flatten().tolist()]
         times: list[float] = []
-        label = "npugraph_ex" if name == OURS else name
-        for i in ctx.steps(range(n - 1), desc=f"{label:>11}", total=n - 1):
+
+        def run(i: int) -> None:
+            nonlocal token
             t0 = clock()
             token = step(token, dec.position(PROMPT + i))
             synchronize(dec.device)
             times.append(clock() - t0)
             tokens.extend(int(t) for t in token.flatten().tolist())
+
+        _phase(f"{label}: {first} (steps 1-{SKIP_STEPS}) ...")
+        t0 = time.perf_counter()
+        for i in range(SKIP_STEPS):
+            run(i)
+        rest = range(SKIP_STEPS, n - 1)
+        _phase(f"{label}: {first} done in {time.perf_counter() - t0:.1f} s; "
+               f"decoding {len(rest)} more tokens ...")
+        t0 = time.perf_counter()
+        for i in ctx.steps(rest, desc=f"{label:>11}", total=len(rest)):
+            run(i)
+        _phase(f"{label}: decoded in {time.perf_counter() - t0:.2f} s")
     steady = times[SKIP_STEPS:] or times
     return {"tokens": tokens, "step_s": times, "per_token_ms": statistics.median(steady) * 1e3,
             "first_steps_s": sum(times[:SKIP_STEPS]), "total_s": time.perf_counter() - start}
+
+
+def _device(spec: str) -> torch.device:
+    """--device: cpu, cuda or npu (an index allowed), present on this machine."""
+    kind = spec.split(":", 1)[0]
+    if kind not in ("cpu", "cuda", "npu"):
+        raise ValueError(f"--device {spec!r}: allowed: cpu, cuda or npu (e.g. cuda:1)")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {spec!r}: no CUDA device here (torch {torch.__version__})")
+    if kind == "npu":
+        try:
+            import torch_npu  # noqa: F401  (registers the npu device type)
+        except ImportError as exc:
+            raise ValueError(f"--device {spec!r}: torch_npu does not import ({exc})") from exc
+    return torch.device(spec)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -111,7 +149,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if n < SKIP_STEPS + 2:
         print(f"--tokens {n}: give at least {SKIP_STEPS + 2}", file=sys.stderr)
         return 2
-    device = torch.device(args.device) if args.device else best_device()
+    try:
+        device = _device(args.device) if args.device else best_device()
+    except ValueError as exc:
+        print(f"npugraph-ex demo: {exc}", file=sys.stderr)
+        return 2
     threads = args.threads if args.threads is not None else (1 if device.type == "cpu" else 0)
     if threads > 0:
         torch.set_num_threads(threads)
@@ -123,6 +165,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"npugraph-ex demo: {ours_missing_reason()}", file=sys.stderr)
         return 2
 
+    _phase(f"building the model (llama, {args.size}) on {device} ...")
     dec = build_decoder("llama", args.size, device, max_len=PROMPT + n + 8)
     what = f"{dec.family} ({args.size}, {dec.params / 1e6:.2f}M parameters, {dec.dtype})"
     env = environment(device)
@@ -181,6 +224,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     (out / "demo.json").write_text(json.dumps(doc, indent=2, default=str) + "\n")
     drew = _plot(out / "demo.png", runs, f"{what} on {device}")
     print(f"\nwrote {out / 'demo.json'}" + (f" and {out / 'demo.png'}" if drew else ""))
+    if not drew:
+        print("demo.png skipped: matplotlib is not installed (pip install matplotlib, or install "
+              "with requirements/local.txt as the README says)")
     return 0 if same else 1
 
 

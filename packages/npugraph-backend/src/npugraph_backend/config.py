@@ -78,13 +78,13 @@ def _is_existing_dir(v: object) -> bool:
     return isinstance(v, str | os.PathLike) and os.path.isdir(v)
 
 
-_MAX_CAPTURE_LIMIT = 2**63 - 1
+_MAX_CAPTURE_LIMIT = 2**63 - 1  # the runtime keeps counts in int64
 
 _OPTIONS: tuple[_Option, ...] = (
     _bool("force_eager", False, "apply all passes, never capture: run the optimized graph eagerly"),
     _bool("force_recapture", False, "recapture on every call"),
     _Option(
-        "capture_limit", 64, f"an int in [1, {_MAX_CAPTURE_LIMIT}] (not a bool, not a str)",
+        "capture_limit", 64, "an int ≥ 1 (below 2**63; not a bool, not a str)",
         lambda v: type(v) is int and 1 <= v <= _MAX_CAPTURE_LIMIT,
         doc="distinct captures per FX graph; beyond it that graph runs eagerly (one warning)",
     ),
