@@ -6,10 +6,9 @@ from __future__ import annotations
 import threading
 import warnings
 
+import npugraph_runtime as ngr
 import pytest
 import torch
-
-import npugraph_runtime as ngr
 from npugraph_runtime._compat import npugraph_ex_counters
 
 
@@ -162,7 +161,7 @@ def test_threads_hammering_one_callable_get_their_own_results(clone_output: bool
                     out = fn(x, layer.weight, layer.bias)
                     if not torch.allclose(out, linear_relu(x, layer.weight, layer.bias)):
                         wrong.append(1)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=worker) for _ in range(4)]
