@@ -52,6 +52,9 @@ __all__ = ["CaptureEvent", "GraphedCallable", "make_graphed_callable"]
 
 _data_ptr = torch.Tensor.data_ptr
 _NO_RESULT: Any = object()
+# what a replay closure returns when its capture cannot serve the call (other addresses,
+# another core limit, outputs still held): the caller then looks for another capture
+_MISS: Any = object()
 _TENSOR_KINDS = (SlotKind.STATIC, SlotKind.MUTATED, SlotKind.USER)
 
 
@@ -89,9 +92,6 @@ class _Capture:
     def fits(self, args: Args, watched: Sequence[int]) -> bool:
         """The addresses the replay closure checks are the ones this call passes."""
         return [_data_ptr(args[i]) for i in watched] == self.watched_ptrs  # type: ignore[arg-type]
-
-    def held(self) -> bool:
-        return self.holds is not None and self.holds.held()
 
 
 def _unset(args: Args) -> object:
@@ -188,11 +188,12 @@ class GraphedCallable:
             run = self._runs.get(key)
             if run is None:
                 return self._miss(key, args)
-            return run(args)
+            out = run(args)
+            if out is _MISS:
+                return self._reselect(key, args, run)
+            return out
 
     def _replay_closure(self, cap: _Capture) -> Callable[[Args], object]:
-        key = cap.key
-        reselect = self._reselect
         replay = cap.graph.replay
         core_limit, captured_limit = current_core_limit, cap.core_limit
         # Inputs the graph uses in place: their addresses at capture, checked in one C++ call
@@ -240,16 +241,18 @@ class GraphedCallable:
             if pick_constants is not None and not _equal(pick_constants(args), constants):
                 changed_constant(args, constants)
             if core_limit() != captured_limit:
-                return reselect(key, args)
-            if all_equal is not None:
-                if not all_equal(list(args), by_slot, watched):
-                    return reselect(key, args)
-            elif pick_watched is not None and list(map(data_ptr, pick_watched(args))) != watched_ptrs:  # type: ignore[arg-type]
-                return reselect(key, args)
+                return _MISS
+            # the caller still holds the previous replay's outputs: checked first, it is the
+            # cheap test that makes a decode loop move to the other capture of the key
             if held_objects is not None and (
                 list(map(refcount, held_objects)), list(map(use_count, held_storages))
             ) != holds.base:  # type: ignore[union-attr]
-                return reselect(key, args)
+                return _MISS
+            if all_equal is not None:
+                if not all_equal(list(args), by_slot, watched):
+                    return _MISS
+            elif pick_watched is not None and list(map(data_ptr, pick_watched(args))) != watched_ptrs:  # type: ignore[arg-type]
+                return _MISS
             if pick_user is not None:
                 sources = pick_user(args)
                 if always_copy:
@@ -273,19 +276,20 @@ class GraphedCallable:
                     "or call reset()"
                 )
 
-    def _reselect(self, key: Key, args: Args) -> object:
-        """The key's last capture cannot replay this call (other addresses, another core limit,
-        or its outputs are still held): replay another capture of the key that can, or make
-        one."""
+    def _reselect(self, key: Key, args: Args, tried: Callable[[Args], object]) -> object:
+        """The key's last capture (``tried``) cannot replay this call (other addresses, another
+        core limit, or its outputs are still held): replay another capture of the key that can,
+        or make one."""
         caps = self._captures[key]
+        for c in caps:
+            if c.replay is not tried:
+                out = c.replay(args)
+                if out is not _MISS:
+                    self._runs[key] = c.replay
+                    return out
         limit = current_core_limit()
         watched = self._watched
-        fitting = [c for c in caps if c.core_limit == limit and c.fits(args, watched)]
-        free = next((c for c in fitting if not c.held()), None)
-        if free is not None:
-            self._runs[key] = free.replay
-            return free.replay(args)
-        if fitting:
+        if any(c.core_limit == limit and c.fits(args, watched) for c in caps):
             return self._another(key, args, HELD_OUTPUTS)
         statics = [i for i in watched if i not in self._mutated]
         same_statics = [c for c in caps if all(
@@ -361,7 +365,12 @@ class GraphedCallable:
         logger.info("%s: captured graph key %s (%s)", self.name, key, reason)
         if cap.holds is not None:
             cap.holds.settle()  # nothing outside the capture holds its outputs yet
-        return cap.replay(args) if result is _NO_RESULT else result
+        if result is not _NO_RESULT:
+            return result
+        result = cap.replay(args)
+        if result is _MISS:
+            raise CaptureError(f"internal: {self.name}'s fresh capture of key {key} refused its call")
+        return result
 
     def _warm_up(self, args: Args) -> object:
         runs = self._policy.warmup
