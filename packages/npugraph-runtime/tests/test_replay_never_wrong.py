@@ -20,18 +20,19 @@ def linear_relu(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tens
     return torch.relu(torch.nn.functional.linear(x, w, b))
 
 
-def graphed(name: str, **policies: object) -> tuple[ngr.GraphedCallable, torch.nn.Linear]:
-    layer = torch.nn.Linear(16, 8)
-    fn = ngr.make_graphed_callable(linear_relu, (torch.randn(4, 16), layer.weight, layer.bias),
+def graphed(name: str, device: str = "cpu", **policies: object) -> tuple[ngr.GraphedCallable, torch.nn.Linear]:
+    layer = torch.nn.Linear(16, 8, device=device)
+    fn = ngr.make_graphed_callable(linear_relu, (torch.randn(4, 16, device=device), layer.weight,
+                                                 layer.bias),
                                    static_argnums=(1, 2), name=name, **policies)
     return fn, layer
 
 
 # ---- 1. outputs still held ------------------------------------------------------------------
 @torch.no_grad()
-def test_kept_outputs_keep_their_values_over_later_calls() -> None:
-    fn, layer = graphed("kept")
-    xs = [torch.randn(4, 16) for _ in range(6)]
+def test_kept_outputs_keep_their_values_over_later_calls(device: str) -> None:
+    fn, layer = graphed("kept", device)
+    xs = [torch.randn(4, 16, device=device) for _ in range(6)]
     kept = [fn(x, layer.weight, layer.bias) for x in xs]  # every result held at once
     for x, out in zip(xs, kept, strict=True):
         torch.testing.assert_close(out, linear_relu(x, layer.weight, layer.bias))
@@ -126,14 +127,14 @@ def strided_over_a_gap(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("clone_input", [True, False])
 @pytest.mark.parametrize(("fn", "make"), [
-    (strided_from_offset, lambda: torch.randn(6)[1:]),
-    (strided_over_a_gap, lambda: torch.randn(2, 6)[:, ::2]),
+    (strided_from_offset, lambda d: torch.randn(6, device=d)[1:]),
+    (strided_over_a_gap, lambda d: torch.randn(2, 6, device=d)[:, ::2]),
 ])
 @torch.no_grad()
-def test_as_strided_reads_of_view_inputs_match_eager(fn, make, clone_input: bool) -> None:  # type: ignore[no-untyped-def]
-    g = ngr.make_graphed_callable(fn, (make(),), clone_input=clone_input)
+def test_as_strided_reads_of_view_inputs_match_eager(fn, make, clone_input: bool, device: str) -> None:  # type: ignore[no-untyped-def]
+    g = ngr.make_graphed_callable(fn, (make(device),), clone_input=clone_input)
     for _ in range(6):
-        x = make()
+        x = make(device)
         torch.testing.assert_close(g(x), fn(x))
     assert g.num_captures == 1
 
