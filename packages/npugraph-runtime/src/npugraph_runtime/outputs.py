@@ -41,7 +41,7 @@ class _BufferView:
 class Holds:
     """The objects and storages of a capture's static outputs that a caller may keep, and their
     reference counts when nothing outside the capture holds them (``settle`` before the first
-    hand-out). ``held()`` is the replay-path test; the closure inlines the same two reads."""
+    hand-out). The replay closure compares ``counts()``, inlined, with ``base``."""
 
     __slots__ = ("base", "cdatas", "objects", "storages", "use_count")
 
@@ -57,9 +57,6 @@ class Holds:
 
     def settle(self) -> None:
         self.base = self.counts()
-
-    def held(self) -> bool:
-        return self.counts() != self.base
 
 
 @dataclasses.dataclass
