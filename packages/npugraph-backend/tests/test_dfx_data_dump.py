@@ -136,7 +136,9 @@ def test_optimized_stage_holds_each_replays_values_across_three_replays(tmp_path
             torch.testing.assert_close(got, want)
         for name, value in _eager_values(reference, (x, w, b)).items():
             assert torch.equal(_load(root, name, count), value), (name, count)
-    assert graphed.num_captures == 1 and len(graphed.events) == 1  # replays, not recaptures
+    # replays, not recaptures: the previous call's ``out`` is still held at each call, so the
+    # key gets a second capture once and the calls alternate between the two
+    assert [e.reason for e in graphed.events] == ["new_key", "held_outputs"]
 
 
 def _copy(graph: torch.fx.Graph) -> torch.fx.Graph:

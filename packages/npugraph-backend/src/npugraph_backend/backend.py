@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from npugraph_runtime.callsite import warn_at_caller
 
 from npugraph_backend import _compat
 from npugraph_backend.compiler import (
@@ -67,12 +68,11 @@ def npugraph_ex_backend(
 
     needs_grad = _inputs_needing_grad(example_inputs)
     if torch.is_grad_enabled() and needs_grad:
-        warnings.warn(
+        warn_at_caller(
             f"npugraph_ex captures inference graphs only: this graph runs eagerly because grad "
             f"mode is on and inputs {needs_grad} require grad (parameters usually do). Call the "
             "compiled model under torch.no_grad() or torch.inference_mode() to capture it.",
             EagerFallbackWarning,
-            stacklevel=2,
         )
         _compat.counters()["eager_fallback_due_to_requires_grad"] += 1
         log.info("dynamo graph runs eagerly: grad mode on, inputs %s require grad", needs_grad)

@@ -19,6 +19,7 @@ import torch
 import torch.fx
 from npugraph_passes import PassManager
 from npugraph_runtime import CapturePolicy, InputSpec, OutputSpec
+from npugraph_runtime.callsite import warn_at_caller
 from npugraph_runtime.graphs import as_pool_handle
 
 from npugraph_backend import _compat
@@ -240,10 +241,9 @@ def compile_graph(
     if unsafe and not config.force_eager:
         described = "; ".join(str(u) for u in unsafe)
         eager_reason = f"cannot be captured: {described}"
-        warnings.warn(
+        warn_at_caller(
             f"npugraph_ex: {name} runs eagerly (never captured) because it {eager_reason}",
             EagerFallbackWarning,
-            stacklevel=2,
         )
         _compat.counters()[f"eager_fallback_due_to_unsafe_op_{name}"] += 1
         log.info("%s falls back to eager: %s", name, eager_reason)
@@ -281,11 +281,10 @@ class EagerCompiler:
     def __call__(
         self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]
     ) -> Callable[[list[Any]], Any]:
-        warnings.warn(
+        warn_at_caller(
             f"npugraph_ex captures inference graphs only: a graph that {self.why} runs eagerly; "
             "call the compiled model under torch.no_grad() or torch.inference_mode()",
             EagerFallbackWarning,
-            stacklevel=2,
         )
         _compat.counters()["eager_fallback_due_to_requires_grad"] += 1
         return _compat.make_boxed(gm.forward)

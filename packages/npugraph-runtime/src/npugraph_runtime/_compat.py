@@ -58,6 +58,13 @@ def data_ptrs_at_indices_equal() -> Callable[[list[object], list[int | None], li
     return cast(Callable[[list[object], list[int | None], list[int]], bool] | None, fn)
 
 
+def storage_use_count() -> Callable[[int], int]:
+    """Checked on torch 2.13.0 and 2.11: ``torch._C._storage_Use_Count(storage._cdata)`` is the
+    C++ StorageImpl's strong use count (one per TensorImpl and per Python storage object using
+    it); torch's cudagraph trees read it to tell whether a graph output is still alive."""
+    return cast(Callable[[int], int], torch._C._storage_Use_Count)
+
+
 # --- devices/cpu*.py, pool.py: the emulated CPU device graph ------------------------------------
 # Checked on torch 2.13.0 and 2.11: ``torch.utils._python_dispatch.TorchDispatchMode`` is the base
 # class of dispatch modes (a thread-local mode stack, entered with ``with``).

@@ -20,6 +20,9 @@ MUTATED_INPUT_CHANGE = "mutated_input_change"
 STATIC_INPUT_CHANGE = "static_input_change"
 CORE_LIMIT_CHANGE = "core_limit_change"
 RECAPTURE_REASONS = (FORCE_RECAPTURE, MUTATED_INPUT_CHANGE, STATIC_INPUT_CHANGE, CORE_LIMIT_CHANGE)
+# one more capture of a key, beside the others: the caller still holds the outputs of every
+# capture of the key (counter capture_due_to_held_outputs_<name>)
+HELD_OUTPUTS = "held_outputs"
 
 CAPTURE_LIMIT = "capture_limit"
 FORCE_EAGER = "force_eager"
@@ -37,7 +40,7 @@ def default_name() -> str:
 class CaptureEvent(NamedTuple):
     """One capture: the graph key it was for and why (``"new_key"`` or a recapture reason)."""
 
-    key: tuple[int, ...]
+    key: tuple[object, ...]
     reason: str
 
 
@@ -49,11 +52,23 @@ class CounterNames:
         self.new_key = f"capture_due_to_new_key_{name}"
         self.recapture = {r: f"recapture_due_to_{r}_{name}" for r in RECAPTURE_REASONS}
         self.fallback = {r: f"eager_fallback_due_to_{r}_{name}" for r in FALLBACK_REASONS}
+        self.held = f"capture_due_to_held_outputs_{name}"
+        # calls run eagerly because every capture of their key had outputs held and the
+        # capture_limit left no room for another
+        self.held_eager = f"eager_call_due_to_held_outputs_{name}"
 
     def count_capture(self, reason: str, captured_now: int) -> None:
         counters = _compat.npugraph_ex_counters()
-        counters[self.new_key if reason == NEW_KEY else self.recapture[reason]] += 1
+        if reason == NEW_KEY:
+            counters[self.new_key] += 1
+        elif reason == HELD_OUTPUTS:
+            counters[self.held] += 1
+        else:
+            counters[self.recapture[reason]] += 1
         counters[self.captured] = captured_now
+
+    def count_held_eager(self) -> None:
+        _compat.npugraph_ex_counters()[self.held_eager] += 1
 
     def count_fallback(self, reason: str) -> None:
         counters = _compat.npugraph_ex_counters()

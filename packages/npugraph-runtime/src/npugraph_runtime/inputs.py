@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from npugraph_runtime._compat import TorchDispatchMode
+from npugraph_runtime._compat import TorchDispatchMode, op_base_name
 from npugraph_runtime.devices.cpu_kernels import write_positions
 from npugraph_runtime.errors import PolicyError
 
@@ -35,15 +35,19 @@ def non_overlapping(t: torch.Tensor) -> bool:
 
 class WriteWatch(TorchDispatchMode):  # type: ignore[misc]
     """Notes which of the watched storages (address -> input index) an op writes in place, by
-    the op's schema. Active while the manager captures, on every device."""
+    the op's schema, and which user buffers (``raw``: address -> input index) the graph reads
+    through ``as_strided``, i.e. at absolute storage positions that may lie outside the input's
+    own elements. Active while the manager captures, on every device."""
 
     # higher-order operators (cond, invoke_subgraph, ...) pass through unchecked rather than fail
     supports_higher_order_operators = True
 
-    def __init__(self, watched: dict[int, int]) -> None:
+    def __init__(self, watched: dict[int, int], raw: dict[int, int] | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.watched = watched
+        self.raw = raw or {}
         self.written: dict[int, str] = {}  # input index -> the first op that wrote it
+        self.raw_reads: set[int] = set()
 
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
@@ -53,6 +57,12 @@ class WriteWatch(TorchDispatchMode):  # type: ignore[misc]
             positions, names = write_positions(func)
         except AttributeError:  # a higher-order operator has no schema
             return func(*args, **kwargs)
+        if self.raw and args and isinstance(args[0], torch.Tensor) and (
+            op_base_name(func).startswith("as_strided")
+        ):
+            slot = self.raw.get(storage_ptr(args[0]))
+            if slot is not None:
+                self.raw_reads.add(slot)
         if positions or names:
             targets = [args[i] for i in positions if i < len(args)] + [kwargs.get(n) for n in names]
             for t in _flat_tensors(targets):
@@ -125,3 +135,41 @@ def refiller(
         copy(dsts, srcs)
 
     return unchanged, refill
+
+
+def mirror(x: torch.Tensor) -> torch.Tensor:
+    """An owned buffer laid out in storage as ``x`` is: a copy of ``x``'s whole storage, viewed
+    at ``x``'s offset with ``x``'s sizes and strides (for a graph that reads ``x`` at absolute
+    storage positions, through as_strided)."""
+    storage = x.untyped_storage()
+    raw = torch.empty(storage.nbytes(), dtype=torch.uint8, device=x.device)
+    raw.copy_(torch.empty(0, dtype=torch.uint8, device=x.device).set_(storage))
+    return torch.empty(0, dtype=x.dtype, device=x.device).set_(
+        raw.untyped_storage(), x.storage_offset(), x.shape, x.stride())
+
+
+def mirror_filler(
+    buffers: Sequence[torch.Tensor], slots: Sequence[int], name: str
+) -> Callable[[Sequence[torch.Tensor]], None]:
+    """Copies each source's whole storage into its mirror buffer (see ``mirror``). A source laid
+    out otherwise (storage offset, strides, storage size) is refused: the graph's absolute reads
+    would land elsewhere than eager's."""
+    layouts = [(b.storage_offset(), b.stride(), b.untyped_storage().nbytes()) for b in buffers]
+    raws = [torch.empty(0, dtype=torch.uint8, device=b.device).set_(b.untyped_storage())
+            for b in buffers]
+
+    def fill(sources: Sequence[torch.Tensor]) -> None:
+        for slot, src, raw, layout in zip(slots, sources, raws, layouts, strict=True):
+            storage = src.untyped_storage()
+            if (src.storage_offset(), src.stride(), storage.nbytes()) != layout:
+                raise PolicyError(
+                    f"{name}: the graph reads input {slot} through as_strided, at absolute "
+                    f"positions of its storage; it was captured for a tensor at storage offset "
+                    f"{layout[0]} with strides {layout[1]} in a storage of {layout[2]} bytes, and "
+                    f"this call passes offset {src.storage_offset()}, strides {src.stride()}, "
+                    f"{storage.nbytes()} bytes. Pass tensors laid out like the first call's, or "
+                    "call reset()"
+                )
+            raw.copy_(torch.empty(0, dtype=torch.uint8, device=src.device).set_(storage))
+
+    return fill

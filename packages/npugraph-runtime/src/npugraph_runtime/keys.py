@@ -1,8 +1,11 @@
 """Graph keys and argument pickers, built once per callable from its InputSpec.
 
-A graph key is a tuple of ints: the values of the symbolic int inputs, then for each keyed tensor
-its rank and sizes (every dim keyed) or the sizes of its keyed dims. When nothing is keyed the
-key is the constant ``()`` and no key function exists at all."""
+A graph key is a tuple: the values of the symbolic inputs and then their Python types (``2``,
+``2.0`` and ``True`` are equal in a tuple, but a replay would repeat the captured type), then for
+each tensor with every dim keyed (hand-written capture, where nothing else guards the tensor)
+its rank, sizes, dtype and device, and for each other keyed tensor the sizes of its keyed dims
+(the backend's dynamo guards dtype and device). When nothing is keyed the key is the constant
+``()`` and no key function exists at all."""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import torch
 from npugraph_runtime.spec import InputSpec, SlotKind
 
 Args = tuple[object, ...]
-Key = tuple[int, ...]
+Key = tuple[object, ...]
 
 _KEYED_TENSORS = (SlotKind.USER, SlotKind.MUTATED)
 
@@ -46,14 +49,23 @@ def key_function(spec: InputSpec) -> Callable[[Args], Key] | None:
             return None
         pick = picker(symbolic)
         assert pick is not None
-        return pick  # type: ignore[return-value]  # symbolic slots hold ints
+
+        def scalar_key(args: Args) -> Key:
+            values = pick(args)
+            return (*values, *map(type, values))
+
+        return scalar_key
 
     def key(args: Args) -> Key:
-        k: list[int] = [args[i] for i in symbolic]  # type: ignore[misc]
+        k: list[object] = [args[i] for i in symbolic]
+        k += [type(v) for v in k]
         for i in whole:
-            shape = args[i].shape  # type: ignore[attr-defined]
+            t: torch.Tensor = args[i]  # type: ignore[assignment]
+            shape = t.shape
             k.append(len(shape))
             k += shape
+            k.append(t.dtype)
+            k.append(t.device)
         for i, d in dims:
             k.append(args[i].shape[d])  # type: ignore[attr-defined]
         return tuple(k)

@@ -9,19 +9,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import warnings
-from collections.abc import Callable, Iterator, Sequence
+import sys
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 from npugraph_runtime import _compat
+from npugraph_runtime.callsite import warn_at_caller
 from npugraph_runtime.core_limit import current_core_limit
 from npugraph_runtime.counters import (
     CAPTURE_LIMIT,
     CORE_LIMIT_CHANGE,
     FORCE_EAGER,
     FORCE_RECAPTURE,
+    HELD_OUTPUTS,
     MUTATED_INPUT_CHANGE,
     NEW_KEY,
     STATIC_INPUT_CHANGE,
@@ -33,14 +36,25 @@ from npugraph_runtime.counters import (
 from npugraph_runtime.devices.base import DeviceGraph, PoolHandle
 from npugraph_runtime.errors import CaptureError, PolicyError
 from npugraph_runtime.graphs import Graph, as_pool_handle, graph, graph_pool_handle
-from npugraph_runtime.inputs import WriteWatch, non_overlapping, refiller, storage_ptr
+from npugraph_runtime.inputs import (
+    WriteWatch,
+    mirror,
+    mirror_filler,
+    non_overlapping,
+    refiller,
+    storage_ptr,
+)
 from npugraph_runtime.keys import Args, Key, key_function, picker
+from npugraph_runtime.outputs import Holds, OutputPlan, output_plan
 from npugraph_runtime.spec import CapturePolicy, InputSpec, OutputSpec, SlotKind
 
 __all__ = ["CaptureEvent", "GraphedCallable", "make_graphed_callable"]
 
 _data_ptr = torch.Tensor.data_ptr
 _NO_RESULT: Any = object()
+# what a replay closure returns when its capture cannot serve the call (other addresses,
+# another core limit, outputs still held): the caller then looks for another capture
+_MISS: Any = object()
 _TENSOR_KINDS = (SlotKind.STATIC, SlotKind.MUTATED, SlotKind.USER)
 
 
@@ -52,22 +66,32 @@ CAPTURE_RANGE = "npugraph_ex::capture"
 class _Capture:
     """One captured graph and what its replay closure needs kept alive."""
 
-    __slots__ = ("addresses", "args", "buffers", "core_limit", "graph", "key", "outputs", "replay")
+    __slots__ = ("addresses", "args", "buffers", "core_limit", "graph", "holds", "key",
+                 "mirrored", "outputs", "plan", "replay", "watched_ptrs")
 
     def __init__(
-        self, key: Key, graph: DeviceGraph, args: list[object], buffers: list[torch.Tensor]
+        self, key: Key, graph: DeviceGraph, args: list[object], buffers: list[torch.Tensor],
+        mirrored: frozenset[int],
     ) -> None:
         self.key = key
         self.graph = graph
         self.args = args  # what the graph saw: static/mutated inputs in place, user buffers
         self.buffers = buffers
+        self.mirrored = mirrored  # user inputs whose buffer mirrors the caller's whole storage
         # input index -> data_ptr at capture, for the inputs the graph uses in place
         self.addresses = {
             i: a.data_ptr() for i, a in enumerate(args) if isinstance(a, torch.Tensor)
         }
+        self.watched_ptrs: list[int] = []
         self.core_limit = current_core_limit()
         self.outputs: object = None
+        self.holds: Holds | None = None
+        self.plan: OutputPlan | None = None
         self.replay: Callable[[Args], object] = _unset
+
+    def fits(self, args: Args, watched: Sequence[int]) -> bool:
+        """The addresses the replay closure checks are the ones this call passes."""
+        return [_data_ptr(args[i]) for i in watched] == self.watched_ptrs  # type: ignore[arg-type]
 
 
 def _unset(args: Args) -> object:
@@ -78,19 +102,33 @@ class GraphedCallable:
     """Captures ``fn`` into device graphs, one per graph key, and replays them.
 
     ``fn`` is called positionally with the same arguments as this object. The caller
-    guarantees what the spec says: static inputs keep their contents between calls (their
-    addresses are checked when ``policy.check_static_addresses``), mutated inputs are the only
-    tensors ``fn`` updates in place, every tensor keeps its dtype and device, the dims of a
-    tensor that are not keyed keep their sizes, a static or mutated tensor at its captured
-    address keeps its strides (only the address is checked), user inputs share no memory with
-    mutated inputs on later calls either (checked at capture only), and constant inputs do not
-    change (checked every call).
-    With ``clone_output=False`` the returned tensors are the graph's static outputs: the next
-    call overwrites them. With ``clone_input=False`` the first call's user tensors become the
-    capture's buffers and a later call at another address overwrites them (a call whose inputs
-    overlap them raises PolicyError instead); a user tensor that shares memory with another
-    input, or overlaps itself, gets an owned buffer. Outputs that view a user input are views of
-    the caller's tensor, as in eager.
+    guarantees what the spec says: static inputs keep their contents between calls, mutated
+    inputs are the only tensors ``fn`` updates in place, every tensor keeps its dtype and device
+    (hand-written capture keys them), the dims of a tensor that are not keyed keep their sizes,
+    a static or mutated tensor at its captured address keeps its strides (only the address is
+    checked), user inputs share no memory with mutated inputs on later calls either (checked at
+    capture only), and constant inputs do not change (checked every call).
+
+    The addresses of static inputs select the capture: one FX graph serves every instance of a
+    module class, so each distinct set of static addresses gets its own capture of the key,
+    kept beside the others (up to ``capture_limit``). With ``check_static_addresses=False`` only
+    the first static input's address is checked (one representative per instance): a re-bound
+    static input other than the first goes unnoticed.
+
+    With ``clone_output=False`` the returned tensors are the graph's static outputs, and a replay
+    never changes a value the caller still holds: when a capture's outputs (or views of them)
+    are still referenced at its next replay, another capture of the key with its own output
+    memory replays instead (made once, reason ``held_outputs``; a decode loop alternates between
+    two). At ``capture_limit`` such a call runs eagerly instead (counted, one warning).
+    With ``clone_input=False`` the first call's user tensors become the capture's buffers and a
+    later call at another address overwrites them (a call whose inputs overlap them raises
+    PolicyError instead); a user tensor that shares memory with another input, or overlaps
+    itself, gets an owned buffer, and so does one the graph reads through as_strided (its buffer
+    mirrors the caller's whole storage, copied every call). Outputs that view a user input are
+    views of the caller's tensor, as in eager.
+
+    Threads: one call at a time per GraphedCallable (a lock around each call); a call's results
+    stay intact while another thread's calls run, by the rule above.
     Refused at capture (PolicyError): fn writing a user or static input in place (declare it
     mutated), and a user input sharing memory with a mutated input."""
 
@@ -114,6 +152,7 @@ class GraphedCallable:
         self.fallback_reason: str | None = None
         self._counters = CounterNames(self.name)
         self._warned = False
+        self._warned_held = False
         self._pool: PoolHandle | None = None
         self._n = len(spec.kinds)
         kinds = spec.kinds
@@ -121,12 +160,18 @@ class GraphedCallable:
         self._mutated = [i for i, k in enumerate(kinds) if k is SlotKind.MUTATED]
         self._static = [i for i, k in enumerate(kinds) if k is SlotKind.STATIC]
         self._constant = [i for i, k in enumerate(kinds) if k is SlotKind.CONSTANT]
+        # Inputs the graph uses in place whose address the replay path checks.
+        checked_static = self._static if policy.check_static_addresses else self._static[:1]
+        self._watched = sorted(self._mutated + checked_static)
         self._key = key_function(spec)
         self._copy = _compat.foreach_copy()
         self._ptrs_equal = _checked_ptrs_equal()
-        self._captures: dict[Key, _Capture] = {}
-        # key -> replay closure: the only thing the hot path looks up.
+        self._captures: dict[Key, list[_Capture]] = {}
+        self._total = 0
+        # key -> replay closure of the capture last used for it: the only thing the hot path
+        # looks up.
         self._runs: dict[Key, Callable[[Args], object]] = {}
+        self._lock = threading.RLock()
 
     # ---- the hot path -------------------------------------------------------------------
     def __call__(self, *args: object) -> object:
@@ -139,30 +184,43 @@ class GraphedCallable:
         except (AttributeError, IndexError, TypeError):
             self._check_kinds(args)  # names the input of the wrong type
             raise
-        run = self._runs.get(key)
-        if run is None:
-            return self._miss(key, args)
-        return run(args)
+        with self._lock:
+            run = self._runs.get(key)
+            if run is None:
+                return self._miss(key, args)
+            out = run(args)
+            if out is _MISS:
+                return self._reselect(key, args, run)
+            return out
 
     def _replay_closure(self, cap: _Capture) -> Callable[[Args], object]:
-        key = cap.key
-        recapture = self._recapture_changed
         replay = cap.graph.replay
         core_limit, captured_limit = current_core_limit, cap.core_limit
         # Inputs the graph uses in place: their addresses at capture, checked in one C++ call
         # where torch has one, else in one pass of data_ptr (~55 ns a tensor).
-        watched = self._watched()
-        watched_ptrs = [cap.addresses[i] for i in watched]
+        watched = self._watched
+        cap.watched_ptrs = watched_ptrs = [cap.addresses[i] for i in watched]
         pick_watched = picker(watched)
         all_equal = self._ptrs_equal if watched else None
         by_slot: list[int | None] = [cap.addresses.get(i) if i in watched else None
                                      for i in range(self._n)]
-        pick_user = picker(self._user)
-        buffers = cap.buffers
+        plain_slots = [i for i in self._user if i not in cap.mirrored]
+        pick_user = picker(plain_slots)
+        buffers = [b for i, b in zip(self._user, cap.buffers, strict=True) if i not in cap.mirrored]
         copy = self._copy
         always_copy = self._policy.clone_input  # owned buffers never equal a caller's tensor
-        unchanged, refill = refiller(buffers, copy, self._user)
-        result, build = self._output_plan(cap)
+        unchanged, refill = refiller(buffers, copy, plain_slots)
+        mirrored = sorted(cap.mirrored)
+        pick_mirrored = picker(mirrored)
+        fill_mirrors = mirror_filler(
+            [cap.buffers[self._user.index(i)] for i in mirrored], mirrored, self.name)
+        cap.plan = plan = self._output_plan(cap)
+        result, build, holds = plan.result, plan.build, plan.holds
+        cap.holds = holds
+        # What tells whether the caller still holds the previous replay's outputs (outputs.py)
+        held_objects = holds.objects if holds is not None else None
+        held_storages = holds.cdatas if holds is not None else []
+        refcount, use_count = sys.getrefcount, _compat.storage_use_count()
         data_ptr = _data_ptr
         pick_constants = picker(self._constant)
         constants = pick_constants(tuple(cap.args)) if pick_constants is not None else ()
@@ -183,18 +241,26 @@ class GraphedCallable:
             if pick_constants is not None and not _equal(pick_constants(args), constants):
                 changed_constant(args, constants)
             if core_limit() != captured_limit:
-                return recapture(key, args)
+                return _MISS
+            # the caller still holds the previous replay's outputs: checked first, it is the
+            # cheap test that makes a decode loop move to the other capture of the key
+            if held_objects is not None and (
+                list(map(refcount, held_objects)), list(map(use_count, held_storages))
+            ) != holds.base:  # type: ignore[union-attr]
+                return _MISS
             if all_equal is not None:
                 if not all_equal(list(args), by_slot, watched):
-                    return recapture(key, args)
+                    return _MISS
             elif pick_watched is not None and list(map(data_ptr, pick_watched(args))) != watched_ptrs:  # type: ignore[arg-type]
-                return recapture(key, args)
+                return _MISS
             if pick_user is not None:
                 sources = pick_user(args)
                 if always_copy:
                     copy(buffers, sources)  # type: ignore[arg-type]
                 elif not unchanged(sources):  # type: ignore[arg-type]
                     refill(sources)  # type: ignore[arg-type]
+            if pick_mirrored is not None:
+                fill_mirrors(pick_mirrored(args))  # type: ignore[arg-type]
             replay()
             return result if build is None else build(args)
 
@@ -210,18 +276,53 @@ class GraphedCallable:
                     "or call reset()"
                 )
 
-    def _watched(self) -> list[int]:
-        """Inputs the graph uses in place whose address the hot path checks."""
-        if self._policy.check_static_addresses:
-            return sorted(self._mutated + self._static)
-        return list(self._mutated)
+    def _reselect(self, key: Key, args: Args, tried: Callable[[Args], object]) -> object:
+        """The key's last capture (``tried``) cannot replay this call (other addresses, another
+        core limit, or its outputs are still held): replay another capture of the key that can,
+        or make one."""
+        caps = self._captures[key]
+        for c in caps:
+            if c.replay is not tried:
+                out = c.replay(args)
+                if out is not _MISS:
+                    self._runs[key] = c.replay
+                    return out
+        limit = current_core_limit()
+        watched = self._watched
+        if any(c.core_limit == limit and c.fits(args, watched) for c in caps):
+            return self._another(key, args, HELD_OUTPUTS)
+        statics = [i for i in watched if i not in self._mutated]
+        same_statics = [c for c in caps if all(
+            _data_ptr(args[i]) == c.addresses[i] for i in statics)]  # type: ignore[arg-type]
+        old = next((c for c in same_statics if c.core_limit == limit), None)
+        if old is not None:
+            return self._capture(key, args, MUTATED_INPUT_CHANGE, replacing=old)
+        old = next((c for c in same_statics if c.fits(args, watched)), None)
+        if old is not None:
+            return self._capture(key, args, CORE_LIMIT_CHANGE, replacing=old)
+        return self._another(key, args, STATIC_INPUT_CHANGE)
 
-    def _recapture_changed(self, key: Key, args: Args) -> object:
-        cap = self._captures[key]
-        if current_core_limit() != cap.core_limit:
-            return self._capture(key, args, CORE_LIMIT_CHANGE)
-        mutated = any(_data_ptr(args[i]) != cap.addresses[i] for i in self._mutated)  # type: ignore[arg-type]
-        return self._capture(key, args, MUTATED_INPUT_CHANGE if mutated else STATIC_INPUT_CHANGE)
+    def _another(self, key: Key, args: Args, reason: str) -> object:
+        """One more capture of ``key`` beside the others, within capture_limit."""
+        if self._total < self._policy.capture_limit:
+            return self._capture(key, args, reason)
+        if reason != HELD_OUTPUTS:
+            self._fall_back(CAPTURE_LIMIT)
+            return self._fn(*args)
+        # Every capture of the key has outputs the caller still holds and no other may be made:
+        # this call runs eagerly, so that nothing the caller holds is overwritten.
+        self._counters.count_held_eager()
+        logger.info("%s: key %s runs eagerly this call (outputs of all its captures held)",
+                    self.name, key)
+        if not self._warned_held:
+            self._warned_held = True
+            warn_at_caller(
+                f"{self.name}: the outputs of every capture of graph key {key} are still "
+                f"referenced and capture_limit={self._policy.capture_limit} allows no other, so "
+                "this call (and each such call) runs eagerly instead of overwriting them. Drop "
+                "or clone() outputs you keep, use clone_output=True, or raise capture_limit"
+            )
+        return self._fn(*args)
 
     # ---- capture ------------------------------------------------------------------------
     def _miss(self, key: Key, args: Args) -> object:
@@ -230,32 +331,46 @@ class GraphedCallable:
         if self._policy.force_eager:
             self._fall_back(FORCE_EAGER)
             return self._fn(*args)
-        if len(self._captures) >= self._policy.capture_limit:
+        if self._total >= self._policy.capture_limit:
             self._fall_back(CAPTURE_LIMIT)
             return self._fn(*args)
         return self._capture(key, args, NEW_KEY)
 
-    def _capture(self, key: Key, args: Args, reason: str) -> object:
-        """Capture ``key`` (replacing an older capture of it) and return the call's result.
+    def _capture(
+        self, key: Key, args: Args, reason: str, replacing: _Capture | None = None
+    ) -> object:
+        """Capture ``key`` (beside its other captures, or replacing ``replacing``) and return the
+        call's result.
 
-        A new key is warmed up first and the call returns the last warmup run's result. A
-        recapture is not warmed up again: it replays the fresh capture and returns that, so
+        A new key is warmed up first and the call returns the last warmup run's result. Any
+        other capture is not warmed up again: it replays the fresh capture and returns that, so
         force_recapture shows what a fresh capture computes (the triage recipe relies on it)."""
         self._check_kinds(args)
         result = self._warm_up(args) if reason == NEW_KEY else _NO_RESULT
         cap = self._record(key, args)
-        old = self._captures.pop(key, None)
-        self._captures[key] = cap
+        caps = self._captures.setdefault(key, [])
+        if replacing is not None and replacing in caps:
+            caps[caps.index(replacing)] = cap
+        else:
+            caps.append(cap)
+            self._total += 1
         if self._policy.force_recapture:
-            self._runs[key] = lambda a: self._capture(key, a, FORCE_RECAPTURE)
+            self._runs[key] = lambda a: self._capture(key, a, FORCE_RECAPTURE, replacing=cap)
         else:
             self._runs[key] = cap.replay
-        if old is not None:
-            old.graph.reset()
+        if replacing is not None:
+            replacing.graph.reset()
         self.events.append(CaptureEvent(key, reason))
-        self._counters.count_capture(reason, len(self._captures))
+        self._counters.count_capture(reason, self._total)
         logger.info("%s: captured graph key %s (%s)", self.name, key, reason)
-        return cap.replay(args) if result is _NO_RESULT else result
+        if cap.holds is not None:
+            cap.holds.settle()  # nothing outside the capture holds its outputs yet
+        if result is not _NO_RESULT:
+            return result
+        result = cap.replay(args)
+        if result is _MISS:
+            raise CaptureError(f"internal: {self.name}'s fresh capture of key {key} refused its call")
+        return result
 
     def _warm_up(self, args: Args) -> object:
         runs = self._policy.warmup
@@ -272,15 +387,38 @@ class GraphedCallable:
         return self._fn(*args)
 
     def _record(self, key: Key, args: Args) -> _Capture:
+        """Capture once; again, with mirrored buffers, when the graph turns out to read a user
+        input through as_strided (at storage positions a dense buffer does not have)."""
+        mirrored: frozenset[int] = frozenset()
+        while True:
+            g, out, cap_args, buffers, raw_reads = self._record_once(args, mirrored)
+            if raw_reads <= mirrored:
+                break
+            g.reset()
+            mirrored |= raw_reads
+        cap = _Capture(key, g, cap_args, buffers, mirrored)
+        cap.outputs = out
+        try:
+            cap.replay = self._replay_closure(cap)
+        except BaseException:
+            g.reset()
+            raise
+        return cap
+
+    def _record_once(
+        self, args: Args, mirrored: frozenset[int]
+    ) -> tuple[DeviceGraph, object, list[object], list[torch.Tensor], frozenset[int]]:
         device = self._device_for(args)
-        cap_args, buffers = self._buffers(args)
+        cap_args, buffers = self._buffers(args, mirrored)
         # statics and user buffers must not be written: replays would not write the caller's
         # tensor (user) or would repeat the write warmups already made (static)
         mutated = {storage_ptr(args[i]) for i in self._mutated}  # type: ignore[arg-type]
-        watched = {storage_ptr(b): i for i, b in zip(self._user, buffers, strict=True)}
+        users = {storage_ptr(b): i for i, b in zip(self._user, buffers, strict=True)}
+        watched = dict(users)
         for i in self._static:
             watched.setdefault(storage_ptr(args[i]), i)  # type: ignore[arg-type]
-        watch = WriteWatch({p: i for p, i in watched.items() if p and p not in mutated})
+        watch = WriteWatch({p: i for p, i in watched.items() if p and p not in mutated},
+                           {p: i for p, i in users.items() if p})
         g = Graph(device)
         with (
             torch.profiler.record_function(CAPTURE_RANGE),
@@ -297,21 +435,17 @@ class GraphedCallable:
                 "eager does. Declare it mutated (make_graphed_callable(mutated_argnums=...), "
                 "SlotKind.MUTATED) or do not write it"
             )
-        cap = _Capture(key, g, cap_args, buffers)
-        cap.outputs = out
-        try:
-            cap.replay = self._replay_closure(cap)
-        except BaseException:
-            g.reset()
-            raise
-        return cap
+        return g, out, cap_args, buffers, frozenset(watch.raw_reads)
 
-    def _buffers(self, args: Args) -> tuple[list[object], list[torch.Tensor]]:
+    def _buffers(
+        self, args: Args, mirrored: frozenset[int] = frozenset()
+    ) -> tuple[list[object], list[torch.Tensor]]:
         """The arguments a capture runs on and its user-input buffers. A buffer is the caller's
         own tensor only under clone_input=False, and only when no other input shares its memory
         and no two of its elements overlap; otherwise it is an owned copy with the caller's
         layout (made dense), so that refilling it never writes memory another input (or another
-        element) is read from."""
+        element) is read from. A ``mirrored`` input's buffer copies the caller's whole storage
+        at the caller's offset and strides (the graph reads it through as_strided)."""
         mutated = {storage_ptr(args[i]): i for i in self._mutated}  # type: ignore[arg-type]
         for i in self._user:
             j = mutated.get(storage_ptr(args[i]))  # type: ignore[arg-type]
@@ -327,96 +461,25 @@ class GraphedCallable:
         for i in self._user:
             x: torch.Tensor = args[i]  # type: ignore[assignment]
             ptr = storage_ptr(x)
-            if self._policy.clone_input or (ptr and ptr in taken) or not non_overlapping(x):
-                # the graph may depend on the input's layout (a traced view, as_strided): keep
-                # its strides when dense, else dense strides in the same dim order
+            if i in mirrored:
+                x = mirror(x)
+                cap_args[i] = x
+            elif self._policy.clone_input or (ptr and ptr in taken) or not non_overlapping(x):
+                # the graph may depend on the input's layout (a traced view): keep its strides
+                # when dense, else dense strides in the same dim order
                 x = torch.empty_like(x, memory_format=torch.preserve_format).copy_(x)
                 cap_args[i] = x
             taken.add(ptr)
             buffers.append(x)
         return cap_args, buffers
 
-    def _output_plan(self, cap: _Capture) -> tuple[object, Callable[[Args], object] | None]:
-        """What a replay returns: a fixed object, or a builder when outputs alias inputs or are
-        cloned. An output that is exactly an input (per OutputSpec, or found at capture) is
-        returned as the caller's input; a view of an input the graph uses in place is never
-        cloned; every other tensor is cloned when ``clone_output``."""
-        out = cap.outputs
-        if not isinstance(out, torch.Tensor) and type(out) not in (tuple, list):
-            raise CaptureError(
-                f"{self.name}: fn returned a {type(out).__name__}; a GraphedCallable needs fn to "
-                "return a tensor, or a tuple or list of tensors"
-            )
-        outs, structure = _flatten(out, self.name)
-        declared = self._output_spec.aliases_input if self._output_spec is not None else ()
+    def _output_plan(self, cap: _Capture) -> OutputPlan:
         in_place = {i for i in self._static + self._mutated}
         if not self._policy.clone_input:
-            in_place.update(self._user)
-        user_buffers = {storage_ptr(b): (i, b) for i, b in zip(self._user, cap.buffers, strict=True)}
-        user_buffers.pop(0, None)
-        alias: list[tuple[int, int]] = []
-        clone: list[int] = []
-        views: list[_BufferView] = []
-        for pos, o in enumerate(outs):
-            if not isinstance(o, torch.Tensor):
-                continue
-            j = declared[pos] if pos < len(declared) else None
-            if j is None:
-                j = next((i for i, a in enumerate(cap.args) if _same_view(o, a)), None)
-            hit = user_buffers.get(storage_ptr(o))
-            if j is not None and _same_view(o, cap.args[j]):
-                alias.append((pos, j))
-            elif hit is not None:
-                # a view of a user input's buffer: eager returns that view of the caller's
-                # tensor, and a buffer view must never reach the caller (fed back as an input,
-                # it would change while the buffers are refilled)
-                i, b = hit
-                views.append(_BufferView(pos, i, tuple(o.shape), o.stride(),
-                                         int(o.storage_offset() - b.storage_offset()), o.dtype,
-                                         b.stride()))
-            elif j is not None and j in in_place and _same_storage(o, cap.args[j]):  # type: ignore[arg-type]
-                continue  # a view of the caller's own tensor, as in eager
-            elif self._policy.clone_output:
-                clone.append(pos)
-        singles, groups = _clone_groups(outs, clone)
-
-        def place(res: list[object], args: Args) -> None:
-            for p, j in alias:
-                res[p] = args[j]
-            for v in views:
-                a: torch.Tensor = args[v.slot]  # type: ignore[assignment]
-                if a.dtype == v.dtype and a.stride() == v.buffer_stride:
-                    res[v.pos] = a.as_strided(v.size, v.stride, a.storage_offset() + v.offset)
-                else:  # the caller's layout differs from the buffer's: a copy of the values
-                    res[v.pos] = res[v.pos].clone()  # type: ignore[attr-defined]
-        def fresh(args: Args) -> list[object]:
-            """This call's flat outputs: clones where asked, the caller's inputs where aliased."""
-            res: list[object] = list(outs)
-            for p in singles:
-                res[p] = res[p].clone()  # type: ignore[attr-defined]
-            for group in groups:
-                for p, t in zip(group, clone_together([res[p] for p in group]), strict=True):  # type: ignore[misc]
-                    res[p] = t
-            place(res, args)
-            return res
-
-        if isinstance(out, torch.Tensor) or structure is None:
-            # a tensor, or a flat tuple: immutable, so the same object can be returned every call
-            if not alias and not clone and not views:
-                return out, None
-            single = isinstance(out, torch.Tensor)
-
-            def build_flat(args: Args) -> object:
-                res = fresh(args)
-                return res[0] if single else tuple(res)
-
-            return None, build_flat
-
-        def build(args: Args) -> object:
-            # lists are rebuilt every call: a caller appending to one never changes the next result
-            return _unflatten(structure, iter(fresh(args)))
-
-        return None, build
+            in_place.update(i for i in self._user if i not in cap.mirrored)
+        declared = self._output_spec.aliases_input if self._output_spec is not None else ()
+        return output_plan(cap.outputs, self.name, cap.args, self._user, cap.buffers, in_place,
+                           declared, self._policy.clone_output)
 
     # ---- fallback, pools, bookkeeping ---------------------------------------------------
     def _fall_back(self, reason: str) -> None:
@@ -429,28 +492,30 @@ class GraphedCallable:
             return
         message = (
             f"{self.name}: capture_limit={self._policy.capture_limit} reached (one capture per "
-            "distinct graph key); all its graphs are released and it runs eagerly from now on. "
+            "graph key and set of static addresses, one more where outputs were held); all its graphs are released and it runs eagerly from now on. "
             "Raise capture_limit, or make fewer inputs dynamic"
         )
         logger.warning("%s", message)
         if not self._warned:
             self._warned = True
-            warnings.warn(message, stacklevel=4)
+            warn_at_caller(message)
 
     def _release(self) -> None:
-        captures = list(self._captures.values())
+        captures = [c for caps in self._captures.values() for c in caps]
         self._runs.clear()
         self._captures.clear()
+        self._total = 0
         for cap in captures:
             cap.graph.reset()
 
     def reset(self) -> None:
         """Release every graph; the next call of each key captures again."""
-        self._release()
-        self._pool = None
-        self.fell_back = False
-        self.fallback_reason = None
-        _compat.npugraph_ex_counters()[self._counters.captured] = 0
+        with self._lock:
+            self._release()
+            self._pool = None
+            self.fell_back = False
+            self.fallback_reason = None
+            _compat.npugraph_ex_counters()[self._counters.captured] = 0
 
     def _device_for(self, args: Args) -> torch.device:
         if self._device is None:
@@ -483,11 +548,19 @@ class GraphedCallable:
 
     @property
     def num_captures(self) -> int:
-        return len(self._captures)
+        """Captures held now, every capture of every key counted."""
+        return self._total
 
     @property
     def graphs(self) -> dict[Key, DeviceGraph]:
-        return {k: c.graph for k, c in self._captures.items()}
+        """The first capture of each key (see ``captures`` for all of them)."""
+        return {k: caps[0].graph for k, caps in self._captures.items()}
+
+    @property
+    def captures(self) -> dict[Key, list[DeviceGraph]]:
+        """Every capture of each key: one per distinct set of static addresses, and more where
+        the caller held outputs."""
+        return {k: [c.graph for c in caps] for k, caps in self._captures.items()}
 
     @property
     def policy(self) -> CapturePolicy:
@@ -499,98 +572,9 @@ class GraphedCallable:
 
     def __repr__(self) -> str:
         return (
-            f"GraphedCallable({self.name!r}, captures={len(self._captures)}, "
+            f"GraphedCallable({self.name!r}, captures={self._total}, "
             f"fell_back={self.fell_back})"
         )
-
-
-@dataclasses.dataclass(frozen=True)
-class _BufferView:
-    """An output that views a user input's capture buffer, rebuilt on the caller's tensor."""
-
-    pos: int  # position among the flattened outputs
-    slot: int  # the user input
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int  # elements from the buffer's own storage offset
-    dtype: torch.dtype
-    buffer_stride: tuple[int, ...]
-
-
-# The nesting of fn's result: None for a leaf, else (is_list, children). A flat tuple's
-# structure is None too (see _flatten).
-Structure = tuple[bool, list[Any]] | None
-
-
-def _flatten(out: object, name: str) -> tuple[list[object], Structure]:
-    """The leaves of ``out`` (nested tuples and lists of tensors and constants) in order, and its
-    structure; (leaves, None) when ``out`` is a tensor or a tuple with no tuple or list inside."""
-    if isinstance(out, torch.Tensor):
-        return [out], None
-    leaves: list[object] = []
-
-    def walk(value: object) -> Any:
-        if type(value) in (tuple, list):
-            return (type(value) is list, [walk(v) for v in value])  # type: ignore[attr-defined]
-        if isinstance(value, dict) or (
-            isinstance(value, tuple | list) and any(isinstance(v, torch.Tensor) for v in value)
-        ):
-            raise CaptureError(
-                f"{name}: fn returned a {type(value).__name__} inside its result; a "
-                "GraphedCallable returns tensors nested in tuples and lists only"
-            )
-        leaves.append(value)
-        return None
-
-    structure = walk(out)
-    if not structure[0] and all(child is None for child in structure[1]):
-        return leaves, None
-    return leaves, structure
-
-
-def _unflatten(structure: Structure, leaves: Iterator[object]) -> object:
-    if structure is None:
-        return next(leaves)
-    is_list, children = structure
-    items = [_unflatten(child, leaves) for child in children]
-    return items if is_list else tuple(items)
-
-
-def _clone_groups(outs: Sequence[object], clone: Sequence[int]) -> tuple[list[int], list[list[int]]]:
-    """The outputs to clone alone, and the groups that share a storage and are cloned together
-    (so a caller's write through one shows through the others, as in eager)."""
-    by_storage: dict[int, list[int]] = {}
-    for p in clone:
-        by_storage.setdefault(storage_ptr(outs[p]) or -1 - p, []).append(p)  # type: ignore[arg-type]
-    singles = [ps[0] for ps in by_storage.values() if len(ps) == 1]
-    return singles, [ps for ps in by_storage.values() if len(ps) > 1]
-
-
-def clone_together(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Clones of views of one storage that share one new storage, laid out as the originals."""
-    align = max(t.element_size() for t in tensors)
-    spans = [
-        (t.storage_offset() * t.element_size(),
-         (t.storage_offset() + sum((n - 1) * d for n, d in zip(t.shape, t.stride(), strict=True)) + 1)
-         * t.element_size())
-        for t in tensors
-        if t.numel()
-    ]
-    if not spans:
-        return [t.clone() for t in tensors]
-    lo = min(a for a, _ in spans)
-    lo -= lo % align
-    hi = max(b for _, b in spans)
-    raw = torch.empty(0, dtype=torch.uint8, device=tensors[0].device)
-    source = raw.set_(tensors[0].untyped_storage(), lo, (hi - lo,), (1,))
-    storage = source.clone().untyped_storage()
-    return [
-        torch.empty(0, dtype=t.dtype, device=t.device).set_(
-            storage, max(t.storage_offset() * t.element_size() - lo, 0) // t.element_size(),
-            t.shape, t.stride(),
-        )
-        for t in tensors
-    ]
 
 
 def _equal(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
@@ -599,23 +583,6 @@ def _equal(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
         return bool(a == b)
     except Exception:  # an object whose == is elementwise or refuses (numpy arrays)
         return all(x is y for x, y in zip(a, b, strict=True))
-
-
-def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.device == b.device and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
-def _same_view(a: torch.Tensor, b: object) -> bool:
-    if a is b:
-        return True
-    return (
-        isinstance(b, torch.Tensor)
-        and _same_storage(a, b)
-        and a.storage_offset() == b.storage_offset()
-        and a.dtype == b.dtype
-        and a.shape == b.shape
-        and a.stride() == b.stride()
-    )
 
 
 @functools.cache

@@ -1,0 +1,204 @@
+"""Compiled models in the situations where a replay used to return wrong numbers: outputs kept
+across replays of one capture (graph breaks in repeated layers, hidden states, several requests
+with their own caches, decode loops), one FX graph serving several module instances, threads,
+inputs read through as_strided, dtypes. Every result is compared with eager over >= 5 calls."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import torch
+from npugraph_backend import EagerFallbackWarning
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+
+def _compile(fn: Any, **options: Any) -> Any:
+    return torch.compile(fn, backend="npugraph_ex", dynamic=False, options=options or None)
+
+
+class BrokenLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        torch._dynamo.graph_break()
+        return self.b(h) + x
+
+
+class Stack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(BrokenLayer() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        outs = []
+        for layer in self.layers:
+            x = layer(x)
+            outs.append(x)
+        return outs
+
+
+@torch.no_grad()
+def test_graph_break_in_repeated_layers_keeps_every_layer_output(
+        counter: Callable[[str], int]) -> None:
+    model = Stack().eval()
+    f = _compile(model)
+    for _ in range(6):
+        x = torch.randn(2, 16)
+        for got, want in zip(f(x), model(x), strict=True):
+            torch.testing.assert_close(got, want)
+    assert counter("capture_due_to_new_key_") >= 2
+    assert counter("capture_due_to_held_outputs_") >= 1
+
+
+def _moe(kind: str) -> Any:
+    common = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+    if kind == "mixtral":
+        config = transformers.MixtralConfig(num_local_experts=4, num_experts_per_tok=2, **common)
+        return transformers.MixtralForCausalLM(config).eval()
+    config = transformers.Qwen2MoeConfig(num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=16,
+                                         shared_expert_intermediate_size=16, **common)
+    return transformers.Qwen2MoeForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize(("kind", "frozen"), [("mixtral", False), ("mixtral", True),
+                                           ("qwen2_moe", False)])
+@torch.no_grad()
+def test_moe_hidden_states_match_eager(kind: str, frozen: bool,
+                                       counter: Callable[[str], int]) -> None:
+    model = _moe(kind)
+
+    def forward(ids: torch.Tensor) -> Any:
+        return model(input_ids=ids, output_hidden_states=True, use_cache=False)
+
+    # frozen_parameter: every expert is an instance of one class, one FX graph for all of them
+    f = _compile(forward, frozen_parameter=frozen)
+    for _ in range(5):
+        ids = torch.randint(0, 64, (1, 6))
+        got, want = f(ids), forward(ids)
+        torch.testing.assert_close(got.logits, want.logits)
+        for g, w in zip(got.hidden_states, want.hidden_states, strict=True):
+            torch.testing.assert_close(g, w)
+    assert counter("capture_due_to_new_key_") >= 1
+    assert counter("eager_fallback_due_to_capture_limit_") == 0
+
+
+def _llama() -> Any:
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@torch.no_grad()
+def test_round_robin_requests_with_their_own_dynamic_caches(counter: Callable[[str], int]) -> None:
+    model = _llama()
+
+    def step(ids: torch.Tensor, cache: Any) -> Any:
+        out = model(input_ids=ids, past_key_values=cache, use_cache=True)
+        return out.logits
+
+    f = _compile(step)
+    prompts = [torch.randint(0, 128, (1, 4)) for _ in range(3)]
+    caches = [transformers.DynamicCache() for _ in prompts]
+    eager_caches = [transformers.DynamicCache() for _ in prompts]
+    tokens = [p for p in prompts]
+    for _ in range(5):
+        for r in range(len(prompts)):  # one step of each request in turn
+            got = f(tokens[r], caches[r])
+            want = step(tokens[r], eager_caches[r])
+            torch.testing.assert_close(got, want)
+            tokens[r] = want[:, -1:].argmax(-1)
+    assert counter("capture_due_to_") >= 1
+
+
+@torch.no_grad()
+def test_decode_loop_alternates_two_captures_without_recapture(
+        counter: Callable[[str], int]) -> None:
+    model = _llama()
+    f = _compile(lambda ids: model(input_ids=ids, use_cache=False))
+    tok = ref = torch.randint(0, 128, (1, 1))
+    for _ in range(10):
+        logits = f(tok).logits  # the previous logits are still referenced during the call
+        tok = logits[:, -1:].argmax(-1)
+        expected = model(input_ids=ref, use_cache=False).logits
+        torch.testing.assert_close(logits, expected)
+        ref = expected[:, -1:].argmax(-1)
+    assert counter("capture_due_to_new_key_") == 1
+    assert counter("capture_due_to_held_outputs_") == 1
+    assert counter("recapture_due_to_") == 0
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+@torch.no_grad()
+def test_two_instances_of_one_class_alternate_without_recapture(
+        frozen: bool, counter: Callable[[str], int]) -> None:
+    m1, m2 = (nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval() for _ in range(2))
+    f1, f2 = _compile(m1, frozen_parameter=frozen), _compile(m2, frozen_parameter=frozen)
+    for _ in range(6):
+        for f, m in ((f1, m1), (f2, m2)):
+            x = torch.randn(2, 8)
+            torch.testing.assert_close(f(x), m(x))
+    captures = counter("capture_due_to_new_key_") + counter("recapture_due_to_")
+    assert 1 <= captures <= 2  # one capture per instance, however often they alternate
+
+
+@pytest.mark.parametrize("clone_output", [False, True])
+def test_threads_hammering_one_compiled_model(clone_output: bool) -> None:
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16)).eval()
+    f = _compile(model, clone_output=clone_output)
+    with torch.no_grad():
+        f(torch.randn(4, 16))
+        f(torch.randn(4, 16))
+
+    def one_call(_: int) -> bool:
+        with torch.no_grad():
+            x = torch.randn(4, 16)
+            return torch.allclose(f(x), model(x), atol=1e-5, rtol=1e-4)
+
+    with ThreadPoolExecutor(4) as pool:  # errors of a call are raised here
+        results = list(pool.map(one_call, range(400)))
+    assert all(results)
+
+
+@torch.no_grad()
+def test_as_strided_reads_of_view_inputs_match_eager() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.as_strided(x, (3,), (1,), 2) * 2
+
+    f = _compile(fn)
+    for _ in range(6):
+        x = torch.randn(6)[1:]
+        torch.testing.assert_close(f(x), fn(x))
+
+
+@torch.no_grad()
+def test_each_dtype_gets_its_own_graph() -> None:
+    f = _compile(lambda x: x * 3 + 1)
+    for dtype in (torch.float32, torch.float64, torch.complex64) * 2:
+        x = torch.randn(4, dtype=dtype)
+        out = f(x)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out, x * 3 + 1)
+
+
+def test_grad_mode_warning_points_at_the_users_call() -> None:
+    model = copy.deepcopy(nn.Linear(4, 4))
+    f = _compile(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        f(torch.randn(2, 4))  # grad mode on, parameters require grad: runs eagerly
+    ours = [w for w in caught if issubclass(w.category, EagerFallbackWarning)]
+    assert ours and ours[0].filename == __file__
