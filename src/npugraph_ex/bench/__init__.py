@@ -60,6 +60,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=float, default=0.0,
                    help="seconds for the whole suite: sections (and compilers in (c)) not "
                         "started by then are skipped with a note (default: no limit)")
+    p.add_argument("--decode-cases", default="",
+                   help="(c) only these cases, comma-separated labels such as llama-medium-b8 "
+                        "(default: all)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -103,7 +106,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     clock_name = use_clock(device, args.clock)
     deadline = time.monotonic() + args.budget if args.budget else None
     ctx = BenchContext(deadline=deadline, device=device, out=out, quick=args.quick, runs=runs,
-                       inductor_budget_s=args.inductor_budget, progress=not args.no_progress)
+                       inductor_budget_s=args.inductor_budget, progress=not args.no_progress,
+                       decode_cases=tuple(c.strip() for c in args.decode_cases.split(",") if c.strip()))
     env = environment(device)
     env["clock"] = clock_name
     print(f"npugraph-ex bench on {device} ({env['device_name']}), torch {env['torch']}, "
