@@ -444,12 +444,12 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
                 leaf for leaf, (_, r) in zip(leaves, outs, strict=True) if id(r) in fresh_ids
             ]
             step.kind, step.outs = Kind.COPY, fresh
-            step.candidates, step.copy_costs = out_candidates(func, args, kwargs, fresh_leaves)
             shared = len({self.tensors[r.i].storage for _, r in fresh}) != len(fresh)
-            if len(fresh) != len(outs) or shared:
-                # results that alias inputs or each other: out= kernels would be handed
-                # overlapping outputs, so only compute-and-copy fits
-                step.candidates = [c for c in step.candidates if c.kind is Kind.COPY]
+            # results that alias inputs or each other: out= kernels would be handed overlapping
+            # outputs, so only compute-and-copy fits
+            step.candidates, step.copy_costs = out_candidates(
+                func, args, kwargs, fresh_leaves, copy_only=len(fresh) != len(outs) or shared
+            )
         self.steps.append(step)
 
         if step.kind is not Kind.SKIP and not self.hazard_reported:
