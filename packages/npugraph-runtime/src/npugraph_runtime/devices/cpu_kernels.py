@@ -344,7 +344,7 @@ def _recheck(
     for c in by_cost:
         if c.kind is not Kind.COPY:
             continue
-        if kept and c.cost_ns + least_copy >= kept[0].cost_ns:
+        if kept and _copy_kind_cost(c.cost_ns, least_copy) >= kept[0].cost_ns:
             break  # this and every dearer compute-and-copy loses to the out= kind
         if c.call is op or _verified(c, args, kwargs, outs)[0]:
             kept.append(c)
@@ -432,10 +432,22 @@ def seed_kernel_decisions(decisions: dict[str, dict[str, list[Any]]]) -> int:
     return taken
 
 
+# Compute-and-copy allocates a result every replay and copies it: it wins only when clearly
+# cheaper, since one timing of a slow op at capture is noisy.
+_COPY_MARGIN = 1.05
+
+
+def _copy_kind_cost(cost_ns: int, copies_ns: int) -> float:
+    return cost_ns * _COPY_MARGIN + copies_ns
+
+
 def cheapest(candidates: Sequence[Candidate], copy_costs: Sequence[int], needed: Sequence[bool]) -> Candidate:
     """The candidate with the lowest cost when only the ``needed`` outputs are copied."""
     copies = sum(c for c, n in zip(copy_costs, needed, strict=True) if n)
-    return min(candidates, key=lambda c: c.cost_ns + (copies if c.kind is Kind.COPY else 0))
+    return min(
+        candidates,
+        key=lambda c: _copy_kind_cost(c.cost_ns, copies) if c.kind is Kind.COPY else c.cost_ns,
+    )
 
 
 def inplace_method_name(func: Any, args: Sequence[Any]) -> str | None:
