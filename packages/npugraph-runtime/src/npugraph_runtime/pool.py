@@ -12,7 +12,8 @@ fewer bytes: so a pool ends near the size of its largest capture whatever order 
 come in, smallest first included. A block that no graph claims any more is freed.
 
 The caller must guarantee what a CUDA graph pool asks for: graphs that share a pool are never
-replayed at the same time (no two threads, no replay inside another replay)."""
+replayed at the same time (no two threads, no replay inside another replay), and no graph of a
+pool is replayed by another thread while a capture into that pool ends (its blocks may move)."""
 
 from __future__ import annotations
 

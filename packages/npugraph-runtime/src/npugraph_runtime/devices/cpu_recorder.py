@@ -517,10 +517,11 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
             self._read_grouped_kv(step, args, kwargs, leaves, index)
         for _, r in step.outs:
             self._producer.setdefault(self.tensors[r.i].storage, index)
-        for si in {self.tensors[r.i].storage for _, r in step.outs} | {
-            s for s in (self._storage_of(t) for t in written) if s is not None
-        }:
-            self._last_write[si] = index
+        if step.kind is not Kind.SKIP:  # views write nothing
+            for si in {self.tensors[r.i].storage for _, r in step.outs} | {
+                s for s in (self._storage_of(t) for t in written) if s is not None
+            }:
+                self._last_write[si] = index
         self.steps.append(step)
 
         if step.kind is not Kind.SKIP and not self.hazard_reported:
