@@ -4,7 +4,8 @@
 eager prefill and a one-token greedy decode step (`decoder.step`, the function users compile).
 Families: "llama" and "gpt2" from `transformers` (random weights, seeded), and "builtin", a tiny
 transformer of our own with a static KV cache updated by ``index_copy_``, used when transformers
-is not installed. Sizes: "tiny" (CPU, seconds) and "1b" (about a billion parameters, for a GPU).
+is not installed. Sizes: "tiny" (CPU, seconds), "medium" (llama only: hidden 768, 12 layers, vocab 32000, for CPU
+benchmarks) and "1b" (about a billion parameters, for a GPU).
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ import torch
 from torch import nn
 
 FAMILIES = ("llama", "gpt2", "builtin")
-SIZES = ("tiny", "1b")
+SIZES = ("tiny", "medium", "1b")
 
 LLAMA_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+    # A CPU-sized model whose step is dominated by real kernels, not by host overhead.
+    "medium": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                   num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048),
     # TinyLlama-1.1B's shape.
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048),
@@ -254,6 +258,8 @@ def build_decoder(
         raise ValueError(f"family={family!r} is not allowed: use one of {', '.join(FAMILIES)}")
     if size not in SIZES:
         raise ValueError(f"size={size!r} is not allowed: use one of {', '.join(SIZES)}")
+    if size == "medium" and family != "llama":
+        raise ValueError(f"size='medium' is defined for family 'llama' only, not {family!r}")
     dev = torch.device(device) if device is not None else best_device()
     if dtype is None:
         # Tiny models stay in float32 everywhere, so greedy tokens compare exactly across

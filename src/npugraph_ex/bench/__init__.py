@@ -3,7 +3,7 @@
 Sections (select with ``--only a,c``): (a) replay-path host overhead, (b) runtime replay vs the
 FX GraphModule vs eager, (c) decode-step latency per compiler, (d) compile and warm-start time
 with and without cache_compile, (e) pool sharing, (f) the passes' effect, (g) overhead with
-logging disabled and no profiler. Writes ``bench.json`` and ``bench.png`` into ``--out``."""
+logging disabled and no profiler, (h) each replay kernel against the eager op. Writes ``bench.json`` and ``bench.png`` into ``--out``."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "e": ("npugraph_ex.bench.pools", "run"),
     "f": ("npugraph_ex.bench.passes", "run"),
     "g": ("npugraph_ex.bench.overhead", "run_quiet"),
+    "h": ("npugraph_ex.bench.kernels", "run"),
 }
 TITLES = {
     "a": "replay-path host overhead",
@@ -38,6 +39,7 @@ TITLES = {
     "e": "pool sharing across 8 batch sizes",
     "f": "the passes' effect on the Llama decode graph",
     "g": "overhead with logging disabled and no profiler",
+    "h": "replay kernels vs eager ops",
 }
 
 
@@ -60,6 +62,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=float, default=0.0,
                    help="seconds for the whole suite: sections (and compilers in (c)) not "
                         "started by then are skipped with a note (default: no limit)")
+    p.add_argument("--decode-cases", default="",
+                   help="(c) only these cases, comma-separated labels such as llama-medium-b8 "
+                        "(default: all)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     return p
 
@@ -103,7 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     clock_name = use_clock(device, args.clock)
     deadline = time.monotonic() + args.budget if args.budget else None
     ctx = BenchContext(deadline=deadline, device=device, out=out, quick=args.quick, runs=runs,
-                       inductor_budget_s=args.inductor_budget, progress=not args.no_progress)
+                       inductor_budget_s=args.inductor_budget, progress=not args.no_progress,
+                       decode_cases=tuple(c.strip() for c in args.decode_cases.split(",") if c.strip()))
     env = environment(device)
     env["clock"] = clock_name
     print(f"npugraph-ex bench on {device} ({env['device_name']}), torch {env['torch']}, "

@@ -23,6 +23,7 @@ class BenchContext:
     progress: bool = True
     log: list[str] = field(default_factory=list)
     deadline: float | None = None  # time.monotonic() after which long work is skipped
+    decode_cases: tuple[str, ...] = ()  # (c): labels of the cases to run; empty: all
 
     def out_of_time(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline

@@ -5,11 +5,15 @@ capture's intermediates (storages produced during the capture that nothing outsi
 holds) into the pool's blocks: two intermediates whose lifetimes (first write .. last use, in op
 order) are disjoint may share bytes. Graphs captured into one pool share its blocks, which is safe
 because graphs never run concurrently: an intermediate is always rewritten by its own replay before
-it is read. A block is sized once; a later capture may add blocks but never resizes old ones. A
-block that no graph claims any more is freed.
+it is read. When an intermediate fits nowhere, a block is grown (``UntypedStorage.resize_``: the
+tensors of the graphs placed in it view its storage, so they move with it, and their values need
+not survive, being rewritten by every replay) rather than a new one added, when growing costs
+fewer bytes: so a pool ends near the size of its largest capture whatever order the captures
+come in, smallest first included. A block that no graph claims any more is freed.
 
 The caller must guarantee what a CUDA graph pool asks for: graphs that share a pool are never
-replayed at the same time (no two threads, no replay inside another replay)."""
+replayed at the same time (no two threads, no replay inside another replay), and no graph of a
+pool is replayed by another thread while a capture into that pool ends (its blocks may move)."""
 
 from __future__ import annotations
 
@@ -64,7 +68,8 @@ class CpuPool:
     def plan(self, items: Sequence[Lifetime], avoid: Set[int] = frozenset()) -> list[Placement]:
         """Place ``items`` (one capture's intermediates) and claim the blocks used; the result is in
         the order of ``items``. Largest first, each into the smallest block with a gap that no
-        time-overlapping item of this capture occupies; a new block only when nothing fits.
+        time-overlapping item of this capture occupies; when nothing fits, the block that needs
+        the least growth to hold it at its end is grown, or a new block added if that is smaller.
         ``avoid``: addresses of blocks the capture itself reads or writes (another graph of the
         pool replayed inside it), which hold that graph's data while this one runs."""
         taken: dict[int, list[tuple[int, int, int, int]]] = {}  # id(block) -> (off, end, first, last)
@@ -82,6 +87,8 @@ class CpuPool:
                     placed = Placement(block, offset)
                     break
             if placed is None:
+                placed = self._grow_for(taken, item, size, avoid)
+            if placed is None:
                 block = Block(torch.UntypedStorage(size), size)  # type: ignore[no-untyped-call]
                 self.blocks.append(block)
                 placed = Placement(block, 0)
@@ -93,6 +100,31 @@ class CpuPool:
             if id(block) in taken:
                 block.claims += 1
         return [p for p in placements if p is not None]
+
+    def _grow_for(
+        self, taken: dict[int, list[tuple[int, int, int, int]]], item: Lifetime, size: int,
+        avoid: Set[int],
+    ) -> Placement | None:
+        """Grow the block that needs the fewest extra bytes to hold ``item`` after the last of
+        this capture's time-overlapping items in it; None when a new block would be smaller."""
+        best: tuple[int, Block, int] | None = None
+        for block in self.blocks:
+            if block.storage.data_ptr() in avoid:
+                continue
+            offset = max(
+                (end for off, end, first, last in taken.get(id(block), [])
+                 if first <= item.last and item.first <= last),
+                default=0,
+            )
+            extra = offset + size - block.nbytes
+            if extra < size and (best is None or extra < best[0]):
+                best = (extra, block, offset)
+        if best is None:
+            return None
+        extra, block, offset = best
+        block.storage.resize_(block.nbytes + extra)
+        block.nbytes += extra
+        return Placement(block, offset)
 
     def release(self, blocks: Sequence[Block]) -> None:
         """Drop one graph's claims; blocks nobody claims are freed."""

@@ -6,8 +6,15 @@ For a functional op the candidates are: the public Python binding with ``out=``
 is kept only when, on the capture's own inputs, it gives a bitwise-identical result (NaN-aware;
 same dtype, shape and strides) without raising or warning; each kept one is timed, and the replay
 uses the cheapest given which outputs later ops actually read. The op itself followed by a copy
-is always available. In-place ops are re-issued as a bound ``Tensor`` method when that verifies,
-else as the op itself."""
+is always available. Ops whose result is a copy of one input (``clone``, ``_to_copy``, ``copy``)
+have one more candidate, ``out.copy_(input)``: one pass over the data, where ``clone.out`` clones
+and then copies. In-place ops are re-issued as a bound ``Tensor`` method when that verifies, else
+as the op itself.
+
+Decisions are kept per op and argument layout (``_DECIDED``): a later capture of the same
+signature re-times nothing and verifies only the candidates that can still win, on its own data.
+``kernel_decisions`` / ``seed_kernel_decisions`` export and import them as plain data, so a cache
+entry can carry them to another process."""
 
 from __future__ import annotations
 
@@ -17,6 +24,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cache, partial
+from operator import itemgetter
 from typing import Any
 
 import torch
@@ -33,6 +41,7 @@ class Kind(enum.Enum):
     AS_IS = "as_is"  # op(*args) re-issued unchanged (mutating ops), fresh results copied
     COLLECTIVE = "collective"  # r = op(*args); wait_tensor(r); out.copy_(r)
     FROZEN = "frozen"  # unsafe op under "relaxed": copy the captured values back
+    COPY_INTO = "copy_into"  # out.copy_(source(args)): the op's result is a copy of one input
 
 
 _ALLOCATIONS = frozenset(
@@ -142,13 +151,12 @@ def scratch_like(t: torch.Tensor) -> torch.Tensor:
     """A tensor with ``t``'s layout holding values that differ from ``t`` everywhere, so a candidate
     that skips an element is caught."""
     s = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)
-    s.copy_(t)
     if t.dtype == torch.bool:
-        s.logical_not_()
+        torch.logical_not(t, out=s)
     elif t.is_floating_point() or t.is_complex():
-        s.neg_()  # flips the sign bit of every element, zeros and NaNs included
+        torch.neg(t, out=s)  # flips the sign bit of every element, zeros and NaNs included
     else:
-        s.bitwise_not_()
+        torch.bitwise_not(t, out=s)
     return s
 
 
@@ -166,26 +174,30 @@ def _quietly(fn: Callable[[], object]) -> bool:
 @dataclass(frozen=True)
 class Candidate:
     """One verified way to re-issue a functional op, and what one call cost at capture time.
-    COPY candidates return the result; the replay copies the outputs it needs into place."""
+    COPY candidates return the result; the replay copies the outputs it needs into place.
+    COPY_INTO: ``call(args)`` is the input whose copy the result is. ``label`` names the
+    candidate in exported decisions."""
 
     kind: Kind
     call: Callable[..., Any]
     out_names: tuple[str, ...] = ()
     cost_ns: int = 0
+    label: str = ""
 
 
 _SLOW_NS = 200_000  # one call this slow is timed once: capture of big models stays quick
 
 
-def _cost_ns(fn: Callable[[], object]) -> int:
-    best = None
-    for _ in range(3):
+def _cost_ns(fn: Callable[[], object], first_ns: int | None = None) -> int:
+    """The fastest of a few calls; ``first_ns``: a call already timed (the verification run)."""
+    best = first_ns
+    for _ in range(2 if first_ns is None else 1):
+        if best is not None and best > _SLOW_NS:
+            break
         start = time.perf_counter_ns()
         fn()
         elapsed = time.perf_counter_ns() - start
         best = elapsed if best is None else min(best, elapsed)
-        if best > _SLOW_NS:
-            break
     return best or 0
 
 
@@ -205,23 +217,33 @@ def _runner(
     if c.kind is Kind.COPY:
         return partial(c.call, *args, **kwargs), []
     scratch = [scratch_like(t) for _, t in outs]
+    if c.kind is Kind.COPY_INTO:
+        return partial(scratch[0].copy_, c.call(args)), scratch
     if c.kind is Kind.OUT_PUBLIC:
         out_arg: Any = scratch[0] if len(scratch) == 1 else tuple(scratch)
         return partial(c.call, *args, **kwargs, out=out_arg), scratch
     return partial(c.call, *args, **kwargs, **dict(zip(c.out_names, scratch, strict=True))), scratch
 
 
-def _verified(c: Candidate, args: Sequence[Any], kwargs: dict[str, Any], outs: Outs) -> bool:
+def _verified(
+    c: Candidate, args: Sequence[Any], kwargs: dict[str, Any], outs: Outs
+) -> tuple[bool, Callable[[], Any], int]:
+    """Whether ``c`` gives the op's results bitwise; its runner and how long the check's call took."""
     run, scratch = _runner(c, args, kwargs, outs)
     result: list[Any] = []
-    if not _quietly(lambda: result.append(run())):
-        return False
+    start = time.perf_counter_ns()
+    quiet = _quietly(lambda: result.append(run()))
+    elapsed = time.perf_counter_ns() - start
+    if not quiet:
+        return False, run, elapsed
     if c.kind is Kind.COPY:
-        return all(
+        ok = all(
             isinstance(got := _leaf(result[0], p), torch.Tensor) and same_result(got, t)
             for p, t in outs
         )
-    return all(same_result(s, t) for s, (_, t) in zip(scratch, outs, strict=True))
+    else:
+        ok = all(same_result(s, t) for s, (_, t) in zip(scratch, outs, strict=True))
+    return ok, run, elapsed
 
 
 def _signature(value: Any) -> Any:
@@ -234,66 +256,198 @@ def _signature(value: Any) -> Any:
     return (type(value), value)
 
 
-# Timings by (op, argument layouts and constants): a model's repeated layers are timed once. Every
-# capture still verifies each candidate on its own data; only the timing is reused.
-_MEASURED: dict[Any, tuple[tuple[Candidate, ...], tuple[int, ...]]] = {}
-_MEASURED_MAX = 4096
+# Ops whose result is a copy of one input, in the result's dtype and layout: that input's position.
+_COPY_SOURCE = {"aten::clone": 0, "aten::_to_copy": 0, "aten::lift_fresh_copy": 0, "aten::copy": 1}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the first capture of one op signature found: its verified candidates with their
+    costs, and the cost of copying each output."""
+
+    candidates: tuple[Candidate, ...]
+    copy_costs: tuple[int, ...]
+
+
+# Decisions by (op, argument layouts and constants, copy_only): a model's repeated layers and
+# later captures are timed once. Every capture still verifies, on its own data, the candidates
+# that can be picked.
+_DECIDED: dict[Any, Decision] = {}
+_DECIDED_MAX = 4096
+# Decisions imported with seed_kernel_decisions, by the text of their key, until first used.
+_SEEDED: dict[str, tuple[tuple[tuple[str, int], ...], tuple[int, ...]]] = {}
+
+
+def _possible(func: Any, op: Callable[..., Any], outs: Outs, copy_only: bool) -> list[Candidate]:
+    """Every way ``func`` could be re-issued, unverified and untimed; the op itself first."""
+    possible = [Candidate(Kind.COPY, op, label="op")]
+    binding = public_binding(func.namespace, _compat.op_base_name(func))
+    if binding is not None:
+        possible.append(Candidate(Kind.COPY, binding, label="binding"))
+    # out= kernels take one buffer per return: only when every return is a tensor produced here
+    # (an undefined optional result, e.g. mkldnn_rnn_layer's workspace, is None)
+    if (
+        copy_only
+        or not single_tensor_returns(func)
+        or len(outs) != len(_compat.op_schema(func).returns)
+        or not all(t.layout == torch.strided for _, t in outs)
+    ):
+        return possible
+    source = _COPY_SOURCE.get(overload_name(func))
+    if source is not None and len(outs) == 1:
+        possible.append(Candidate(Kind.COPY_INTO, itemgetter(source), label="copy_into"))
+    if binding is not None:
+        possible.append(Candidate(Kind.OUT_PUBLIC, binding, label="out_public"))
+    overload = out_overload(func)
+    if overload is not None:
+        possible.append(Candidate(Kind.OUT_OVERLOAD, overload[0], overload[1], label="out_overload"))
+    return possible
+
+
+def _key_text(key: Any) -> str:
+    func, args_sig, kwargs_sig, copy_only = key
+    return f"{overload_name(func)}|{args_sig!r}|{kwargs_sig!r}|{copy_only}"
+
+
+def _decide(
+    func: Any, op: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], outs: Outs,
+    copy_only: bool,
+) -> Decision:
+    """Verify every candidate on this capture's data and time the ones that pass."""
+    found = []
+    for c in _possible(func, op, outs, copy_only):
+        if c.call is op:  # the op itself is the reference: it needs no check
+            found.append(replace(c, cost_ns=_cost_ns(partial(op, *args, **kwargs))))
+            continue
+        ok, run, first = _verified(c, args, kwargs, outs)
+        if ok:
+            found.append(replace(c, cost_ns=_cost_ns(run, first)))
+    costs = [_cost_ns(partial(scratch_like(t).copy_, t)) for _, t in outs]
+    return Decision(tuple(found), tuple(costs))
+
+
+def _recheck(
+    decision: Decision, op: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
+    outs: Outs,
+) -> list[Candidate]:
+    """The candidates of a known decision that ``cheapest`` can still pick, each verified on
+    this capture's data: the cheapest out= kind that verifies, and the cheapest compute-and-copy
+    that verifies unless even one output copy makes it dearer than that out= kind. The op itself
+    needs no check and is always reachable, so the result is never empty."""
+    kept: list[Candidate] = []
+    by_cost = sorted(decision.candidates, key=lambda c: c.cost_ns)
+    for c in by_cost:
+        if c.kind is not Kind.COPY and _verified(c, args, kwargs, outs)[0]:
+            kept.append(c)
+            break
+    least_copy = min(decision.copy_costs, default=0)
+    for c in by_cost:
+        if c.kind is not Kind.COPY:
+            continue
+        if kept and _copy_kind_cost(c.cost_ns, least_copy) >= kept[0].cost_ns:
+            break  # this and every dearer compute-and-copy loses to the out= kind
+        if c.call is op or _verified(c, args, kwargs, outs)[0]:
+            kept.append(c)
+            break
+    return kept
 
 
 def out_candidates(
-    func: Any, args: Sequence[Any], kwargs: dict[str, Any], outs: Outs
+    func: Any, args: Sequence[Any], kwargs: dict[str, Any], outs: Outs, copy_only: bool = False
 ) -> tuple[list[Candidate], list[int]]:
     """The verified candidates for a functional op whose fresh results ``outs`` (path into the
-    result, tensor) were just computed from ``args``, and the cost of copying each output."""
+    result, tensor) were just computed from ``args``, and the cost of copying each output.
+    ``copy_only``: the results alias inputs or each other, so out= kernels do not fit."""
     op = _compat.op_entry(func)
     if func.namespace not in ("aten", "prims"):
         # a custom op may have effects its schema does not show: run it once per replay, never
         # again at capture to time it
-        return [Candidate(Kind.COPY, op)], [0] * len(outs)
-    key: Any = (func, _signature(args), _signature(kwargs))
+        return [Candidate(Kind.COPY, op, label="op")], [0] * len(outs)
+    key: Any = (func, _signature(args), _signature(kwargs), copy_only)
     try:
-        measured = _MEASURED.get(key)
-    except TypeError:  # an unhashable constant: measure every time
-        key, measured = None, None
-    if measured is not None:
-        candidates, copy_costs = measured
-        found = [c for c in candidates if c.call is op or _verified(c, args, kwargs, outs)]
-        return found, list(copy_costs)
+        decision = _DECIDED.get(key)
+    except TypeError:  # an unhashable constant: decide every time
+        return _as_lists(_decide(func, op, args, kwargs, outs, copy_only))
+    if decision is None and _SEEDED:
+        decision = _from_seed(key, func, op, outs, copy_only)
+    if decision is not None:
+        return _recheck(decision, op, args, kwargs, outs), list(decision.copy_costs)
+    decision = _decide(func, op, args, kwargs, outs, copy_only)
+    if len(_DECIDED) >= _DECIDED_MAX:
+        _DECIDED.clear()
+    _DECIDED[key] = decision
+    return _as_lists(decision)
 
-    possible = [Candidate(Kind.COPY, op)]
-    binding = public_binding(func.namespace, _compat.op_base_name(func))
-    if binding is not None:
-        possible.append(Candidate(Kind.COPY, binding))
-    # out= kernels take one buffer per return: only when every return is a tensor produced here
-    # (an undefined optional result, e.g. mkldnn_rnn_layer's workspace, is None)
-    if (
-        single_tensor_returns(func)
-        and len(outs) == len(_compat.op_schema(func).returns)
-        and all(t.layout == torch.strided for _, t in outs)
-    ):
-        if binding is not None:
-            possible.append(Candidate(Kind.OUT_PUBLIC, binding))
-        overload = out_overload(func)
-        if overload is not None:
-            possible.append(Candidate(Kind.OUT_OVERLOAD, overload[0], overload[1]))
-    found = []
-    for c in possible:
-        # the op itself is the reference: it needs no check
-        if c.call is op or _verified(c, args, kwargs, outs):
-            run, _ = _runner(c, args, kwargs, outs)
-            found.append(replace(c, cost_ns=_cost_ns(run)))
-    costs = [_cost_ns(partial(scratch_like(t).copy_, t)) for _, t in outs]
-    if key is not None:
-        if len(_MEASURED) >= _MEASURED_MAX:
-            _MEASURED.clear()
-        _MEASURED[key] = (tuple(found), tuple(costs))
-    return found, costs
+
+def _as_lists(decision: Decision) -> tuple[list[Candidate], list[int]]:
+    return list(decision.candidates), list(decision.copy_costs)
+
+
+def _from_seed(
+    key: Any, func: Any, op: Callable[..., Any], outs: Outs, copy_only: bool
+) -> Decision | None:
+    seeded = _SEEDED.pop(_key_text(key), None)
+    if seeded is None:
+        return None
+    labels, copy_costs = seeded
+    by_label = {c.label: c for c in _possible(func, op, outs, copy_only)}
+    if len(copy_costs) != len(outs) or any(label not in by_label for label, _ in labels):
+        return None  # made by another torch or another version of this module: decide afresh
+    candidates = [replace(by_label[label], cost_ns=cost) for label, cost in labels]
+    if not any(c.call is op for c in candidates):
+        candidates.append(by_label["op"])
+    decision = Decision(tuple(candidates), copy_costs)
+    _DECIDED[key] = decision
+    return decision
+
+
+def kernel_decisions() -> dict[str, dict[str, list[Any]]]:
+    """The decisions made in this process, as plain data (str, int, lists) a cache entry can
+    store: key text -> {"candidates": [[label, cost_ns], ...], "copy_costs": [...]}."""
+    out: dict[str, dict[str, list[Any]]] = {}
+    for key, d in list(_DECIDED.items()):
+        out[_key_text(key)] = {
+            "candidates": [[c.label, c.cost_ns] for c in d.candidates],
+            "copy_costs": list(d.copy_costs),
+        }
+    return out
+
+
+def seed_kernel_decisions(decisions: dict[str, dict[str, list[Any]]]) -> int:
+    """Import decisions exported by ``kernel_decisions`` (possibly in another process): captures
+    of those signatures skip the timing; what they pick is still verified on their own data.
+    Returns how many were taken; malformed records raise ValueError naming the record."""
+    taken = 0
+    for text, record in decisions.items():
+        try:
+            labels = tuple((str(label), int(cost)) for label, cost in record["candidates"])
+            copy_costs = tuple(int(c) for c in record["copy_costs"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(
+                f"seed_kernel_decisions: record {text!r} is not of the form "
+                f"{{'candidates': [[label, cost_ns], ...], 'copy_costs': [int, ...]}}: {exc}"
+            ) from None
+        _SEEDED[str(text)] = (labels, copy_costs)
+        taken += 1
+    return taken
+
+
+# Compute-and-copy allocates a result every replay and copies it: it wins only when clearly
+# cheaper, since one timing of a slow op at capture is noisy.
+_COPY_MARGIN = 1.05
+
+
+def _copy_kind_cost(cost_ns: int, copies_ns: int) -> float:
+    return cost_ns * _COPY_MARGIN + copies_ns
 
 
 def cheapest(candidates: Sequence[Candidate], copy_costs: Sequence[int], needed: Sequence[bool]) -> Candidate:
     """The candidate with the lowest cost when only the ``needed`` outputs are copied."""
     copies = sum(c for c, n in zip(copy_costs, needed, strict=True) if n)
-    return min(candidates, key=lambda c: c.cost_ns + (copies if c.kind is Kind.COPY else 0))
+    return min(
+        candidates,
+        key=lambda c: _copy_kind_cost(c.cost_ns, copies) if c.kind is Kind.COPY else c.cost_ns,
+    )
 
 
 def inplace_method_name(func: Any, args: Sequence[Any]) -> str | None:

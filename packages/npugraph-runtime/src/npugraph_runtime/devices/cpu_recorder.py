@@ -23,6 +23,7 @@ from npugraph_runtime.devices.cpu_kernels import (
     is_allocation,
     out_candidates,
     overload_name,
+    same_result,
     verify_inplace_method,
     write_positions,
 )
@@ -50,6 +51,7 @@ _UNSAFE_NAMES = {
     "aten::set_": "swaps a tensor's storage",
 }
 _TRUSTED_SCHEMAS = frozenset({"aten", "prims", "_c10d_functional", "npugraph_ex"})
+_SDPA_CPU = "aten::_scaled_dot_product_flash_attention_for_cpu"
 _COPY_OPS = frozenset({"aten::_to_copy", "aten::copy_", "aten::to.device", "aten::_copy_from"})
 
 
@@ -232,6 +234,10 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
         self._storage_ix: dict[int, int] = {}
         self._snapshots: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
         self.host_reads = HostReads(self)
+        # kernel choice across ops: the step that produced each storage, and the last step that
+        # wrote each storage (a pre-existing one in place, a produced one by its producer)
+        self._producer: dict[int, int] = {}
+        self._last_write: dict[int, int] = {}
 
     # --- bookkeeping ---------------------------------------------------------------------------
     def _ref(self, t: torch.Tensor, index: int, produced: bool = False) -> int:
@@ -299,6 +305,63 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
         if self.error is None:
             self.error = error
             self.restore()
+
+    # --- kernel choice across ops ------------------------------------------------------------
+    def _expanded_source(self, t: torch.Tensor, before: int) -> torch.Tensor | None:
+        """For ``t``, the whole result of a ``clone`` of ``x[:, :, None].expand(..)`` (transformers'
+        repeat_kv), the un-repeated ``x``, when nothing wrote ``x`` between that clone and step
+        ``before``; else None."""
+        si = self._storage_of(t)
+        at = self._producer.get(si) if si is not None else None
+        if at is None or t.storage_offset() != 0 or not t.is_contiguous():
+            return None
+        clone = self.steps[at]
+        if overload_name(clone.func) != "aten::clone" or not clone.args:
+            return None
+        src_ref = clone.args[0]
+        if not isinstance(src_ref, TRef):
+            return None
+        src = self.tensors[src_ref.i].obj
+        if src is None or src.dim() != 5 or src.stride(2) != 0 or src.numel() != t.numel():
+            return None
+        b, heads, rep, seq, dim = src.shape
+        if tuple(t.shape) != (b, heads * rep, seq, dim):
+            return None
+        base = src.select(2, 0)
+        base_si = self._storage_of(base)
+        if base_si is None or self._last_write.get(base_si, -1) >= at:
+            return None  # the source was written after the clone read it
+        return base
+
+    def _read_grouped_kv(
+        self, step: Step, args: tuple[Any, ...], kwargs: dict[str, Any],
+        leaves: list[tuple[tuple[int, ...], torch.Tensor]], index: int,
+    ) -> None:
+        """CPU attention with grouped KV heads: the kernel reads ``key``/``value`` with fewer
+        heads than ``query`` itself, so the replay passes the un-repeated KV and skips the
+        repeat_kv copies (they are dropped when nothing else reads them). Kept only when it
+        gives the recorded results bitwise, here on the capture's data."""
+        if len(args) < 3 or not all(isinstance(a, torch.Tensor) for a in args[:3]):
+            return
+        key = self._expanded_source(args[1], index)
+        value = self._expanded_source(args[2], index)
+        if key is None or value is None:
+            return
+        fewer = (args[0], key, value, *args[3:])
+        got: list[Any] = []
+        try:
+            got.append(step.func(*fewer, **kwargs))
+        except Exception:  # a kernel that does not take grouped heads: keep the copies
+            return
+        fresh = [g for _, g in _leaves(got[0]) if isinstance(g, torch.Tensor)]
+        if len(fresh) != len(leaves) or not all(
+            same_result(g, t) for (_, t), g in zip(leaves, fresh, strict=True)
+        ):
+            return
+        step.args = (step.args[0], TRef(self._ref(key, index)), TRef(self._ref(value, index)),
+                     *step.args[3:])
+        # the other candidates were verified on the repeated KV: re-issue the op itself
+        step.candidates = [Candidate(Kind.COPY, _compat.op_entry(step.func), label="op")]
 
     # --- events (called through cpu_streams hooks) --------------------------------------------
     def event_record(self, event: CpuEvent, stream: CpuStream) -> None:
@@ -444,12 +507,21 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
                 leaf for leaf, (_, r) in zip(leaves, outs, strict=True) if id(r) in fresh_ids
             ]
             step.kind, step.outs = Kind.COPY, fresh
-            step.candidates, step.copy_costs = out_candidates(func, args, kwargs, fresh_leaves)
             shared = len({self.tensors[r.i].storage for _, r in fresh}) != len(fresh)
-            if len(fresh) != len(outs) or shared:
-                # results that alias inputs or each other: out= kernels would be handed
-                # overlapping outputs, so only compute-and-copy fits
-                step.candidates = [c for c in step.candidates if c.kind is Kind.COPY]
+            # results that alias inputs or each other: out= kernels would be handed overlapping
+            # outputs, so only compute-and-copy fits
+            step.candidates, step.copy_costs = out_candidates(
+                func, args, kwargs, fresh_leaves, copy_only=len(fresh) != len(outs) or shared
+            )
+        if step.kind is Kind.COPY and overload_name(func) == _SDPA_CPU:
+            self._read_grouped_kv(step, args, kwargs, leaves, index)
+        for _, r in step.outs:
+            self._producer.setdefault(self.tensors[r.i].storage, index)
+        if step.kind is not Kind.SKIP:  # views write nothing
+            for si in {self.tensors[r.i].storage for _, r in step.outs} | {
+                s for s in (self._storage_of(t) for t in written) if s is not None
+            }:
+                self._last_write[si] = index
         self.steps.append(step)
 
         if step.kind is not Kind.SKIP and not self.hazard_reported:

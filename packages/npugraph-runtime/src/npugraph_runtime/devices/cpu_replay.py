@@ -139,8 +139,10 @@ def generate(
     res = _Resolver(tensors)
     lines: list[str] = []
     issued = 0
+    per_op: list[tuple[Step, Kind, int]] = []  # (step, kernel, first line): for kernel audits
     for step, kind, call_obj, out_names, step_outs in _plan(steps, tensors, dead):
         issued += 1
+        per_op.append((step, kind, len(lines)))
         args = [res.value(a) for a in step.args]
         kwargs = {k: res.value(v) for k, v in step.kwargs.items()}
         if kind is Kind.OUT_PUBLIC:
@@ -152,6 +154,9 @@ def generate(
             outs = [res.tensor(r) for _, r in step_outs]
             call = _call_args(names, args, {**kwargs, **dict(zip(out_names, outs, strict=True))})
             lines.append(f"{names.bind(call_obj)}({call})")
+        elif kind is Kind.COPY_INTO:
+            copy = names.bind(res.tensor(step_outs[0][1]).copy_)
+            lines.append(f"{copy}({names.expr(call_obj(args))})")
         elif kind is Kind.INPLACE_METHOD:
             method = getattr(args[0], step.method)
             lines.append(f"{names.bind(method)}({_call_args(names, args[1:], kwargs)})")
@@ -184,4 +189,5 @@ def generate(
     exec(compile(source, "<npugraph cpu replay>", "exec"), namespace)
     fn: Callable[[], None] = namespace["replay"]
     fn.__source__ = source  # type: ignore[attr-defined]
+    fn.__ops__ = (per_op, lines, namespace)  # type: ignore[attr-defined]
     return fn, issued

@@ -1,0 +1,181 @@
+"""Replay kernels of the CPU graph: ops whose result is a copy of an input replay as one
+``out.copy_(src)``, bitwise equal to eager; capture decisions are kept per op signature, and
+a re-capture still verifies, on its own data, the kernel it will use."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import npugraph_runtime as ngr
+import pytest
+import torch
+from npugraph_runtime.devices import cpu_kernels
+from npugraph_runtime.devices.cpu_audit import audit_kernels
+from npugraph_runtime.devices.cpu_kernels import Kind
+
+
+def _capture(fn: Callable[..., object], *inputs: torch.Tensor) -> tuple[object, object]:
+    g = ngr.Graph("cpu")
+    with torch.no_grad(), ngr.graph(g):
+        out = fn(*inputs)
+    return g, out
+
+
+def _kernels(g: object) -> dict[str, str]:
+    return {row.op: row.kernel for row in audit_kernels(g, rounds=1, min_sample_s=0)}  # type: ignore[arg-type]
+
+
+def _repeat_kv(kv: torch.Tensor) -> torch.Tensor:
+    b, h, s, d = kv.shape  # transformers' repeat_kv: expand, then reshape copies
+    return kv[:, :, None].expand(b, h, 3, s, d).reshape(b, h * 3, s, d) * 1.0
+
+
+COPY_CASES: dict[str, tuple[Callable[[torch.Tensor], object], str]] = {
+    "repeat_kv clone of an expanded tensor": (_repeat_kv, "aten::clone"),
+    "clone of a transpose": (lambda x: torch.clone(x.transpose(1, 2)), "aten::clone"),
+    "clone to channels_last": (lambda x: x.clone(memory_format=torch.channels_last), "aten::clone"),
+    "contiguous of a transpose": (lambda x: x.transpose(0, 3).contiguous(), "aten::clone"),
+    "float to half": (lambda x: x.to(torch.float16), "aten::_to_copy"),
+    "float to int (rounding)": (lambda x: (x * 100).to(torch.int32), "aten::_to_copy"),
+    "functional copy with broadcast": (
+        lambda x: torch.ops.aten.copy.default(torch.empty(2, 3, 5, 7), x[:1]), "aten::copy"),
+}
+
+
+@pytest.mark.parametrize("case", list(COPY_CASES))
+def test_copy_ops_replay_as_one_copy_bitwise_equal_to_eager(case: str) -> None:
+    fn, op = COPY_CASES[case]
+    x = torch.randn(2, 3, 5, 7)
+    g, out = _capture(fn, x)
+    assert _kernels(g)[op] == "copy_into"
+    for _ in range(5):
+        x.copy_(torch.randn_like(x))
+        g.replay()  # type: ignore[attr-defined]
+        expected = fn(x)
+        assert isinstance(out, torch.Tensor) and isinstance(expected, torch.Tensor)
+        assert out.stride() == expected.stride() and out.dtype == expected.dtype
+        assert torch.equal(out, expected)
+
+
+def test_nan_and_negative_zero_survive_the_copy_kernel() -> None:
+    x = torch.tensor([[float("nan"), -0.0, float("inf"), 1.5]]).expand(3, 4)
+    g, out = _capture(lambda t: t.clone(), x)
+    assert _kernels(g)["aten::clone"] == "copy_into"
+    g.replay()  # type: ignore[attr-defined]
+    assert isinstance(out, torch.Tensor)
+    assert torch.equal(out.view(torch.int32), x.contiguous().view(torch.int32))
+
+
+def test_a_recapture_of_the_same_signature_reuses_the_decision() -> None:
+    x = torch.randn(4, 8)
+    fn = lambda t: torch.sin(t) + 1  # noqa: E731
+    _capture(fn, x)
+    decided = cpu_kernels.kernel_decisions()
+    assert any(k.startswith("aten::sin|") for k in decided)
+    g, out = _capture(fn, x)
+    assert cpu_kernels.kernel_decisions() == decided  # nothing re-timed
+    x.copy_(torch.randn_like(x))
+    g.replay()  # type: ignore[attr-defined]
+    assert torch.equal(out, fn(x))  # type: ignore[arg-type]
+
+
+def test_a_wrong_kernel_in_the_decisions_is_caught_by_the_recapture() -> None:
+    """A decision whose cheapest kernel gives another result (here a fake that writes zeros,
+    standing for a kernel that is wrong on this capture's data) is re-verified and not used."""
+    x = torch.randn(4, 8)
+    fn = lambda t: torch.cos(t * 3.0)  # noqa: E731
+    _capture(fn, x)
+    key = next(k for k in cpu_kernels._DECIDED if cpu_kernels.overload_name(k[0]) == "aten::cos")
+    decision = cpu_kernels._DECIDED[key]
+
+    def zeros(*args: object, out: torch.Tensor) -> torch.Tensor:
+        return out.zero_()
+
+    wrong = cpu_kernels.Candidate(Kind.OUT_PUBLIC, zeros, cost_ns=0, label="out_public")
+    cpu_kernels._DECIDED[key] = replace(decision, candidates=(wrong, *decision.candidates))
+    try:
+        g, out = _capture(fn, x)
+        for _ in range(5):
+            x.copy_(torch.randn_like(x))
+            g.replay()  # type: ignore[attr-defined]
+            assert torch.equal(out, fn(x))  # type: ignore[arg-type]
+    finally:
+        cpu_kernels._DECIDED[key] = decision
+
+
+def test_exported_decisions_seed_another_process_without_re_timing() -> None:
+    x = torch.randn(3, 5)
+    fn = lambda t: torch.tanh(t) * 2.0  # noqa: E731
+    _capture(fn, x)
+    exported = {k: v for k, v in cpu_kernels.kernel_decisions().items()
+                if k.startswith("aten::tanh|") and "(3, 5)" in k}
+    assert exported
+    saved = dict(cpu_kernels._DECIDED)
+    cpu_kernels._DECIDED.clear()  # as in a fresh process
+    try:
+        marked = {k: {"candidates": [[lab, 12345] for lab, _ in v["candidates"]],
+                      "copy_costs": v["copy_costs"]} for k, v in exported.items()}
+        assert cpu_kernels.seed_kernel_decisions(marked) == len(marked)
+        g, out = _capture(fn, x)
+        after = cpu_kernels.kernel_decisions()
+        assert all(after[k]["candidates"][0][1] == 12345 for k in marked)  # the seed, not re-timed
+        x.copy_(torch.randn_like(x))
+        g.replay()  # type: ignore[attr-defined]
+        assert torch.equal(out, fn(x))  # type: ignore[arg-type]
+    finally:
+        cpu_kernels._DECIDED.clear()
+        cpu_kernels._DECIDED.update(saved)
+
+
+def test_a_malformed_seed_names_the_record() -> None:
+    with pytest.raises(ValueError, match="record 'aten::x'"):
+        cpu_kernels.seed_kernel_decisions({"aten::x": {"candidates": 5}})  # type: ignore[dict-item]
+
+
+def test_the_audit_times_replay_and_eager_for_each_rewritten_op() -> None:
+    x = torch.randn(8, 16)
+    g, _ = _capture(lambda t: (t @ t.T).relu().clone(), x)
+    rows = audit_kernels(g, rounds=3)  # type: ignore[arg-type]
+    assert {r.op for r in rows} >= {"aten::mm", "aten::relu", "aten::clone"}
+    assert all(r.replay_s > 0 and r.eager_s > 0 for r in rows)
+
+
+def _gqa_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   pos: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                   write_between: bool = False) -> torch.Tensor:
+    """A decode step as transformers writes it: update the static cache, repeat_kv, attend."""
+    k_cache.index_copy_(2, pos, k_new)
+    v_cache.index_copy_(2, pos, v_new)
+    b, h, s, d = k_cache.shape
+    k = k_cache[:, :, None].expand(b, h, 3, s, d).reshape(b, h * 3, s, d)
+    v = v_cache[:, :, None].expand(b, h, 3, s, d).reshape(b, h * 3, s, d)
+    if write_between:  # the cache changes after the copies: the copies must stay
+        k_cache.mul_(0.5)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+
+@pytest.mark.parametrize("write_between", [False, True])
+def test_grouped_kv_attention_replays_equal_to_eager(write_between: bool) -> None:
+    def inputs() -> list[torch.Tensor]:
+        return [torch.randn(2, 6, 1, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8),
+                torch.tensor([3]), torch.randn(2, 2, 1, 8), torch.randn(2, 2, 1, 8)]
+
+    static = inputs()
+    fn = lambda *a: _gqa_attention(*a, write_between=write_between)  # noqa: E731
+    g, out = _capture(fn, *static)
+    kernels = [row.op for row in audit_kernels(g, rounds=1, min_sample_s=0)]  # type: ignore[arg-type]
+    # without a write in between, the attention reads the cache itself: no repeat_kv copies
+    assert ("aten::clone" in kernels) == write_between
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in kernels
+    for step in range(5):
+        fresh = inputs()
+        fresh[3] = torch.tensor([step])
+        for s, f in zip(static, fresh, strict=True):
+            s.copy_(f)
+        eager_state = [t.clone() for t in fresh]
+        g.replay()  # type: ignore[attr-defined]
+        with torch.no_grad():
+            expected = fn(*eager_state)
+        assert torch.equal(out, expected)  # type: ignore[arg-type]
+        assert torch.equal(static[1], eager_state[1]) and torch.equal(static[2], eager_state[2])
