@@ -4,7 +4,8 @@
 eager prefill and a one-token greedy decode step (`decoder.step`, the function users compile).
 Families: "llama" and "gpt2" from `transformers` (random weights, seeded), and "builtin", a tiny
 transformer of our own with a static KV cache updated by ``index_copy_``, used when transformers
-is not installed. Sizes: "tiny" (CPU, seconds) and "1b" (about a billion parameters, for a GPU).
+is not installed. Sizes: "tiny" (CPU, seconds), "medium" (hidden 768, 12 layers) and "1b" (about a billion
+parameters, for a GPU).
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ import torch
 from torch import nn
 
 FAMILIES = ("llama", "gpt2", "builtin")
-SIZES = ("tiny", "1b")
+SIZES = ("tiny", "medium", "1b")
 
 LLAMA_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256),
+    # The medium size of bench (d) (issue 13): about 110M parameters, a CPU warm-start workload.
+    "medium": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                   num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=512),
     # TinyLlama-1.1B's shape.
     "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
                num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048),
@@ -32,11 +36,13 @@ LLAMA_CONFIGS: dict[str, dict[str, Any]] = {
 GPT2_CONFIGS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=256,
                  bos_token_id=0, eos_token_id=0),
+    "medium": dict(vocab_size=32000, n_embd=768, n_layer=12, n_head=12, n_positions=512),
     # Between GPT-2 large and XL: about 1.0B parameters.
     "1b": dict(vocab_size=50257, n_embd=1536, n_layer=32, n_head=16, n_positions=1024),
 }
 BUILTIN_CONFIGS: dict[str, dict[str, int]] = {
     "tiny": dict(vocab_size=512, hidden=64, layers=2, heads=4),
+    "medium": dict(vocab_size=32000, hidden=768, layers=12, heads=12),
     "1b": dict(vocab_size=32000, hidden=2048, layers=20, heads=16),
 }
 

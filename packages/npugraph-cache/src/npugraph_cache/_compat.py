@@ -141,6 +141,22 @@ def guard_check(compiled: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     return bool(compiled.guard_check(*args, **kwargs))
 
 
+def without_first_call_alias_check() -> Any:
+    """Checked on torch 2.13.0: ``torch._functorch.config.check_custom_op_aliasing`` makes the
+    first invocation of an AOT runtime wrapper run ``_AnalyzeCustomOpInputOutputMode`` over every
+    op (a diagnostic: do custom ops' outputs alias their inputs). On that first call our backend
+    warms up and captures, so the mode sees ~10x the graph's ops (0.25 s of a 0.8 s warm start
+    of a 12-layer Llama). A loaded entry's graph was checked by the process that compiled it;
+    its first call skips the check (the wrapper then runs it once on a later, plain replay)."""
+    import torch._functorch.config as functorch_config
+
+    if not hasattr(functorch_config, "check_custom_op_aliasing"):
+        import contextlib
+
+        return contextlib.nullcontext()
+    return functorch_config.patch(check_custom_op_aliasing=False)
+
+
 def disable_guard_check(compiled: Any) -> None:
     """Checked on torch 2.13.0: ``AOTCompiledFunction.disable_guard_check()``; we check the guards
     ourselves first (to pick among entries), so the call itself need not check them again."""

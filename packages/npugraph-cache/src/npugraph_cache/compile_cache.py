@@ -160,9 +160,12 @@ class CacheCompiledFunction:
                     and _compat.guard_check(compiled, call_args, kwargs)
                 ):
                     return compiled(*call_args, **kwargs)
-            compiled, guards = self._obtain(args, kwargs)
+            compiled, guards, loaded = self._obtain(args, kwargs)
             check = guards.checker(self._function.__globals__, self._module)
             self._entries.append((signature, compiled, check))
+            if loaded:
+                with _compat.without_first_call_alias_check():
+                    return compiled(*call_args, **kwargs)
             return compiled(*call_args, **kwargs)
 
     # --- obtaining an entry -------------------------------------------------------------------
@@ -179,8 +182,10 @@ class CacheCompiledFunction:
             key_extra=self.key_extra,
         )
 
-    def _obtain(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ValueGuards]:
-        """(compiled, the value guards it must keep passing)."""
+    def _obtain(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, ValueGuards, bool]:
+        """(compiled, the value guards it must keep passing, whether it was loaded)."""
         no_guards = ValueGuards(self._self_name, (), ())
         if not _compat.has_aot_compile():
             warnings.warn(
@@ -189,12 +194,13 @@ class CacheCompiledFunction:
                 CacheWarning,
                 stacklevel=3,
             )
-            return self._compile_without_cache(), no_guards
+            return self._compile_without_cache(), no_guards, False
         key = self.key_for(args, kwargs)
         func_dir = self.func_dir
         call_args = (self._module, *args)
         warned: set[str] = set()
         stale: list[str] = []
+        loaded = True
         try:
             self.store.ensure_dir(func_dir)
             compiled, guards, path = self._load_any(func_dir, key, call_args, kwargs, warned, stale)
@@ -211,17 +217,18 @@ class CacheCompiledFunction:
                                 f"npugraph_ex cache: {self.name}: {stale[0]}; recompiling",
                             )
                         compiled, guards = self._compile_and_save(path, key, args, kwargs)
+                        loaded = False
         except CachePermissionError as exc:
             warnings.warn(
                 f"npugraph_ex cache: {exc}; {self.name} is compiled without the disk cache",
                 CacheWarning,
                 stacklevel=3,
             )
-            return self._compile_without_cache(), no_guards
+            return self._compile_without_cache(), no_guards, False
         _compat.disable_guard_check(compiled)
         if not isinstance(compiled, _Uncached):
             self.entry_paths.append(path)
-        return compiled, guards
+        return compiled, guards, loaded
 
     def _load_any(
         self,
