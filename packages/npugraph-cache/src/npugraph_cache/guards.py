@@ -9,8 +9,10 @@ hands us every value guard dynamo made (``CONSTANT_MATCH``/``EQUALS_MATCH`` on a
 globals (``G[...]``, closure cells included) or at the module itself (``self.<attr>``) as source
 expressions with a portable description of the value (type and value for scalars, strings and
 tuples of them; module and qualified name for a function; ``repr`` otherwise). They are stored in
-the entry's (authenticated) metadata, checked before an entry is unpickled, and checked again on
-every call: a changed value selects or compiles another entry, as torch.compile recompiles.
+the entry's (authenticated) metadata and checked before an entry is unpickled; the globals are
+checked again on every call: a changed value selects or compiles another entry, as
+torch.compile recompiles. A module attribute changed inside a running process after its first
+call is not re-checked (documented in the README).
 
 Guards on the other arguments are left to the key's value signature; a value whose description
 holds a memory address (``<object at 0x...>``) cannot be compared across processes and is
@@ -115,17 +117,31 @@ class ValueGuards:
         return cls(data["self"], tuple(data["sources"]), _from_json(data["expected"]))
 
     def checker(self, f_globals: dict[str, Any], module: Any) -> Callable[[], bool]:
-        """A cheap check for every call: True when every value still has its description."""
-        if not self.sources:
+        """A cheap check for every call: True when every global (and closure cell) still has
+        its description. Module attributes are checked when an entry is selected (``mismatch``)
+        but not on every call: they are one per layer (a 12-layer Llama has ~250) and would
+        cost ~100 µs a call. The fast path compares the raw values with those last seen to match (a tuple compare,
+        identity first); only when that differs are the values described and compared."""
+        picked = [i for i, source in enumerate(self.sources) if source.startswith("G[")]
+        if not picked:
             return _always
-        evaluate = _evaluator(self.self_name, self.sources)
-        expected = self.expected
+        sources = [self.sources[i] for i in picked]
+        raw = _evaluator(self.self_name, sources, described=False)
+        described = _evaluator(self.self_name, sources)
+        expected = tuple(self.expected[i] for i in picked)
+        seen: list[Any] = [None]
 
         def check() -> bool:
             try:
-                return bool(evaluate(f_globals, module) == expected)
+                values = raw(f_globals, module)
+                if values == seen[0]:
+                    return True
+                if described(f_globals, module) != expected:
+                    return False
             except Exception:  # a global or attribute that is gone: not the traced value
                 return False
+            seen[0] = values
+            return True
 
         return check
 
@@ -153,9 +169,12 @@ def _show(desc: Any) -> str:
     return repr(desc[1])[:60]
 
 
-def _evaluator(self_name: str, sources: Sequence[str]) -> Callable[[dict[str, Any], Any], Any]:
-    """``lambda G, <self_name>: (describe(<source>), ...)`` compiled once."""
-    body = ", ".join(f"___describe({s})" for s in sources)
+def _evaluator(
+    self_name: str, sources: Sequence[str], described: bool = True
+) -> Callable[[dict[str, Any], Any], Any]:
+    """``lambda G, <self_name>: (describe(<source>), ...)`` compiled once (without
+    ``describe``: the raw values)."""
+    body = ", ".join(f"___describe({s})" if described else s for s in sources)
     code = compile(f"lambda G, {self_name}: ({body},)", "<npugraph_cache value guards>", "eval")
     namespace = {"___describe": describe, "__builtins__": builtins}
     fn: Callable[[dict[str, Any], Any], Any] = eval(code, namespace)  # our own sources
