@@ -124,3 +124,13 @@ def test_key_file_others_could_read_or_replace_is_refused(
     monkeypatch.setenv(KEY_ENV, str(path))
     with pytest.raises(CachePermissionError, match=str(path)):
         secret.user_key()
+
+
+def test_unusable_key_path_is_a_clear_error_naming_the_variable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv(KEY_ENV, str(blocker / "key"))  # a folder that is a file
+    with pytest.raises(CachePermissionError, match=f"cannot be opened \\(Not a directory\\).* set {KEY_ENV}"):
+        secret.user_key()

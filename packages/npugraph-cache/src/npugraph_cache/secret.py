@@ -50,9 +50,10 @@ def _read(path: Path) -> bytes:
     except OSError as exc:
         if isinstance(exc, FileNotFoundError):
             raise
+        why = "a symbolic link, refused" if os.path.islink(path) else exc.strerror
         raise CachePermissionError(
-            f"cache key file {path} cannot be opened ({exc.strerror}; a symbolic link is refused); "
-            f"remove it or point {KEY_ENV} at a private file"
+            f"cache key file {path} cannot be opened ({why}); remove it or set {KEY_ENV} to "
+            "the path of a private file"
         ) from None
     try:
         st = os.fstat(fd)
@@ -107,7 +108,13 @@ def user_key(create: bool = True) -> bytes | None:
     except FileNotFoundError:
         if not create:
             return None
-        _create(path)
+        try:
+            _create(path)
+        except OSError as exc:
+            raise CachePermissionError(
+                f"cannot create the cache key file {path} ({exc.strerror or exc}); set {KEY_ENV} "
+                "to the path of a private file in a folder you can write"
+            ) from None
         key = _read(path)
     _loaded[path] = key
     return key
