@@ -15,13 +15,23 @@ from typing import Any
 
 import pytest
 import torch
-from npugraph_cache import CacheWarning
+from npugraph_cache import CacheTypeError, CacheWarning
 from npugraph_cache.format import MAGIC
+from npugraph_cache.secret import KEY_ENV
 from npugraph_cache.store import CacheStore
 
 from npugraph_ex.inference import cache_compile, readable_cache
 
 WORKER = Path(__file__).with_name("test_cache_compile_worker.py")
+RANK_WORKER = Path(__file__).with_name("cache_rank_worker.py")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def own_cache_key(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """This module's tests and their worker processes use a key of their own."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(KEY_ENV, str(tmp_path_factory.mktemp("key") / "cache.key"))
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -33,10 +43,11 @@ def fresh_counters() -> Iterator[None]:
     counters.clear()
 
 
-def _worker(cache_dir: Path, out: Path) -> dict[str, Any]:
+def _worker(cache_dir: Path, out: Path, cwd: Path | None = None) -> dict[str, Any]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run(
-        [sys.executable, str(WORKER), str(cache_dir), str(out)], env=env, check=True, timeout=240
+        [sys.executable, str(WORKER), str(cache_dir), str(out)],
+        env=env, check=True, timeout=240, cwd=cwd,
     )
     result: dict[str, Any] = json.loads(out.read_text())
     return result
@@ -200,3 +211,78 @@ def test_unsavable_graph_runs_uncached_with_one_warning(tmp_path: Path, decoder:
     [message] = [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
     assert "cannot be saved" in message and "use_graph_pool" in message
     assert fn.entry_paths == []
+
+
+def test_two_working_directories_share_one_entry(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first = _worker(cache, tmp_path / "first.json", cwd=tmp_path / "a")
+    assert first["cache"] == {"compiled": 2} and first["max_error"] == 0.0
+    second = _worker(cache, tmp_path / "second.json", cwd=tmp_path / "b")
+    assert second["cache"] == {"loaded": 2} and second["max_error"] == 0.0
+    assert second["warnings"] == [] and second["unique_graphs"] == 0
+    assert len(list(cache.rglob("compiled_*.ngx"))) == 2
+
+
+def test_the_key_holds_dump_options_only_when_dumping(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from npugraph_ex import CompilerConfig
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    hashes = {}
+    for where in ("a", "b"):
+        monkeypatch.chdir(tmp_path / where)
+        hashes[where] = (CompilerConfig().hash(),
+                         CompilerConfig(dump_tensor_data=True, data_dump_dir="./").hash())
+    assert hashes["a"] == hashes["b"]  # "./" is resolved where the artefact runs
+    off = CompilerConfig(data_dump_stage="original", data_dump_dir=str(tmp_path)).hash()
+    assert off == CompilerConfig().hash()  # dumping off: the dump options change nothing
+    on = CompilerConfig(dump_tensor_data=True, data_dump_dir=str(tmp_path)).hash()
+    assert on != CompilerConfig(dump_tensor_data=True).hash()
+
+
+def test_bad_decompositions_and_cache_dir_name_the_argument(decoder: Decoder) -> None:
+    with pytest.raises(CacheTypeError, match="custom_decompositions key str 'notanop'"):
+        cache_compile(decoder.decode, custom_decompositions={"notanop": 1})
+    with pytest.raises(CacheTypeError, match=r"cache_dir must be a folder path .* got int 5"):
+        cache_compile(decoder.decode, cache_dir=5)
+    with pytest.raises(CacheTypeError, match=r"readable_cache: cache_bin .* got NoneType None"):
+        readable_cache(None)  # type: ignore[arg-type]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def test_ranks_fill_their_folder_and_key_from_the_process_group(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    env = dict(os.environ, OMP_NUM_THREADS="1", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()))
+    procs = [
+        subprocess.Popen([sys.executable, str(RANK_WORKER), str(cache), str(tmp_path / f"{r}.json")],
+                         env=dict(env, RANK=str(r)))
+        for r in range(2)
+    ]
+    try:
+        assert [p.wait(timeout=180) for p in procs] == [0, 0]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank in range(2):
+        result = json.loads((tmp_path / f"{rank}.json").read_text())
+        assert result["max_error"] == 0.0 and result["captures"] >= 1
+        assert result["cache"] == {"compiled": 1}
+        [entry] = result["entries"]
+        assert Path(entry).parent.parent.name == f"world2global_rank{rank}"
+        data = CacheStore.read(Path(entry))
+        assert data is not None and data.metadata["rank"] == f"world2global_rank{rank}"
+        assert data.metadata["key"]["rank"] == f"world2global_rank{rank}"

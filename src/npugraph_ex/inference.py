@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from npugraph_backend import CompiledGraph, CompilerConfig, npugraph_ex_backend
 from npugraph_backend.serialization import observe_compiled, pass_identity, versions
-from npugraph_cache import CacheCompiledFunction, readable_cache
+from npugraph_cache import CacheArgumentError, CacheCompiledFunction, readable_cache
 from npugraph_cache import cache_compile as _cache_compile
 
 __all__ = ["cache_compile", "readable_cache"]
@@ -47,7 +47,7 @@ class _Backend:
 def _config(options: Mapping[str, Any] | CompilerConfig | None) -> CompilerConfig:
     config = CompilerConfig.from_options(options)  # OptionError (a ValueError) names the option
     if config.use_graph_pool is not None:
-        raise ValueError(
+        raise CacheArgumentError(
             "cache_compile: option use_graph_pool is a live pool of this process and cannot be "
             "cached; leave it unset (each graph gets its own pool) or use torch.compile"
         )

@@ -14,12 +14,21 @@ from typing import Any
 
 import pytest
 import torch
-from npugraph_cache import CacheWarning, RngGraphError, cache_compile, readable_cache
+from npugraph_cache import (
+    CacheArgumentError,
+    CachePermissionError,
+    CacheTypeError,
+    CacheWarning,
+    RngGraphError,
+    cache_compile,
+    readable_cache,
+)
 from npugraph_cache.cli import main as cli_main
-from npugraph_cache.format import MAGIC, decode
+from npugraph_cache.format import MAGIC, decode, encode
 from npugraph_cache.store import CacheStore
 
 WORKER = Path(__file__).with_name("cache_worker.py")
+VALUES_WORKER = Path(__file__).with_name("values_worker.py")
 
 
 class Block(torch.nn.Module):
@@ -117,10 +126,10 @@ def _corrupt_old_version(path: Path) -> None:
 
 def _corrupt_payload(path: Path) -> None:
     # valid header and checksum around a payload torch cannot load
-    entry = decode(path.read_bytes())
-    from npugraph_cache.format import encode
-
-    path.write_bytes(encode(entry.metadata, b"\x80\x04not a compiled function"))
+    # (written with the user's own key: an authentic entry torch cannot load)
+    key = CacheStore().key
+    entry = decode(path.read_bytes(), key)
+    path.write_bytes(encode(entry.metadata, b"\x80\x04not a compiled function", key))
 
 
 @pytest.mark.parametrize(
@@ -262,3 +271,202 @@ def test_ranks_get_their_own_folder(tmp_path: Path, block: Block) -> None:
         [path] = fn.entry_paths
         assert path.parent.parent.name == f"world1global_rank{rank}_tp_rank{rank}"
         assert path.parent.name == "decode"
+
+
+class _Evil:
+    """A payload whose unpickling would run code: it must never be unpickled."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (exec, (f"open({str(self.marker)!r}, 'w').close()",))
+
+
+def _forge_v1(metadata: dict[str, Any], payload: bytes) -> bytes:
+    # the old format: an unkeyed sha256 anyone can recompute
+    import hashlib
+    import json as _json
+
+    meta = _json.dumps(metadata, sort_keys=True).encode()
+    header = struct.pack("<8sHIQ32s", MAGIC, 1, len(meta), len(payload),
+                         hashlib.sha256(meta + payload).digest())
+    return header + meta + payload
+
+
+@pytest.mark.parametrize("forge", ["other_key", "old_format", "same_tag"])
+def test_tampered_entry_never_unpickles_warns_once_and_recompiles(
+    tmp_path: Path,
+    block: Block,
+    forge: str,
+    cache_warnings: list[warnings.WarningMessage],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import pickle
+
+    x, kv = _inputs()
+    first = cache_compile(block.decode, cache_dir=tmp_path / "c")
+    first(x, kv)
+    path = _entry(first)
+    marker = tmp_path / "pwned"
+    evil = pickle.dumps(_Evil(marker))
+    original = path.read_bytes()
+    entry = decode(original, CacheStore().key)
+    if forge == "other_key":  # re-encoded by someone without this user's key
+        data = encode(entry.metadata, evil, b"attacker-key".ljust(32, b"!"))
+    elif forge == "old_format":
+        data = _forge_v1(entry.metadata, evil)
+    else:  # the genuine tag kept, the payload swapped for one of the same length
+        evil = evil.ljust(len(entry.payload), b".")[: len(entry.payload)]
+        data = original[: len(original) - len(entry.payload)] + evil
+    path.write_bytes(data)
+    os.chmod(path, 0o600)
+    again = cache_compile(block.decode, cache_dir=tmp_path / "c")
+    for _ in range(5):
+        x, kv = _inputs()
+        torch.testing.assert_close(again(x, kv), _eager(block, x, kv), rtol=0, atol=0)
+    [message] = _ours(cache_warnings)
+    assert str(path) in message and "recompiling" in message
+    assert not marker.exists()
+    assert cli_main(["show", str(path)]) in (0, 1)  # shows metadata only, never the payload
+    capsys.readouterr()
+    assert not marker.exists()
+
+
+def _one_entry(cache_dir: Path, block: Block) -> tuple[Path, Any]:
+    fn = cache_compile(block.decode, cache_dir=cache_dir)
+    fn(*_inputs())
+    path = _entry(fn)
+    return path, decode(path.read_bytes(), CacheStore().key)
+
+
+def test_cli_show_says_when_an_entry_is_not_authenticated(
+    tmp_path: Path, block: Block, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, entry = _one_entry(tmp_path, block)
+    path.write_bytes(encode(entry.metadata, entry.payload, b"x" * 32))
+    assert cli_main(["show", str(path)]) == 0
+    assert "authenticated: NO" in capsys.readouterr().out
+
+
+def test_show_escapes_control_characters_and_malformed_metadata_is_one_line(
+    tmp_path: Path, block: Block, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path, entry = _one_entry(tmp_path, block)
+    key = CacheStore().key
+    hostile = dict(entry.metadata, graph_code="x\x1b[2J\x1b]0;owned\x07y", func="\x1b[31mred")
+    path.write_bytes(encode(hostile, entry.payload, key))
+    assert cli_main(["show", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out
+    assert "x\\x1b[2J\\x1b]0;owned\\x07y" in out and "\\x1b[31mred" in out
+    for bad in ({"key": [1, 2]}, {"key": {"environment": "x"}}, {"options": 5},
+                {"value_guards": {"sources": 5}}):
+        path.write_bytes(encode(dict(entry.metadata, **bad), entry.payload, key))
+        assert cli_main(["show", str(path)]) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "malformed metadata" in err and "Traceback" not in err
+
+
+def _values_worker(cache_dir: Path, out: Path, **env: str) -> dict[str, Any]:
+    full = {**os.environ, "OMP_NUM_THREADS": "1", "SCALE": "2", "CELL": "5", "SHIFT": "1", **env}
+    subprocess.run([sys.executable, str(VALUES_WORKER), str(cache_dir), str(out)], env=full,
+                   check=True, timeout=240)
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+def test_changed_global_closure_cell_or_attribute_recompiles_with_one_warning(
+    tmp_path: Path,
+) -> None:
+    cache, out = tmp_path / "c", tmp_path / "out.json"
+    first = _values_worker(cache, out)
+    assert first["cache"] == {"compiled": 1} and first["max_error"] == 0.0
+    for env, source in (({"SCALE": "3"}, "G['SCALE'] is 3.0, was 2.0"),
+                        ({"CELL": "7"}, "cell_contents is 7.0, was 5.0"),
+                        ({"SHIFT": "4"}, "self.shift is 4.0, was 1.0")):
+        changed = _values_worker(cache, out, **env)
+        assert changed["max_error"] == 0.0  # the new value's result, not the cached one's
+        [warning] = changed["warnings"]
+        assert source in warning and "recompiling" in warning
+        assert changed["cache"]["compiled"] == 1
+    back = _values_worker(cache, out)  # the first values again: the first entry, loaded
+    assert back["cache"] == {"loaded": 1} and back["warnings"] == []
+    assert back["entries"] == first["entries"] and back["max_error"] == 0.0
+
+
+def test_changed_global_within_a_process_selects_another_entry(tmp_path: Path) -> None:
+    result = _values_worker(tmp_path / "c", tmp_path / "o.json", CHANGE_IN_PROCESS="1")
+    assert result["max_error"] == 0.0 and len(result["entries"]) == 2
+    [warning] = result["warnings"]
+    assert "G['SCALE'] is 3.0, was 2.0" in warning
+
+
+def test_world_writable_cache_dir_is_refused(tmp_path: Path, block: Block) -> None:
+    root = tmp_path / "shared"
+    root.mkdir()
+    os.chmod(root, 0o777)
+    with pytest.raises(CachePermissionError, match=r"cache_dir .*mode 777"):
+        cache_compile(block.decode, cache_dir=root)
+
+
+def test_world_writable_func_folder_warns_and_bypasses_the_cache(
+    tmp_path: Path, block: Block, cache_warnings: list[warnings.WarningMessage]
+) -> None:
+    x, kv = _inputs()
+    first = cache_compile(block.decode, cache_dir=tmp_path)
+    first(x, kv)
+    folder = _entry(first).parent
+    os.chmod(folder, 0o777)
+    again = cache_compile(block.decode, cache_dir=tmp_path)
+    torch.testing.assert_close(again(x, kv), _eager(block, x, kv))
+    [message] = _ours(cache_warnings)
+    assert "mode 777" in message and "without the disk cache" in message
+    assert again.entry_paths == []
+
+
+def test_planted_lock_symlink_warns_bypasses_and_never_creates_its_target(
+    tmp_path: Path, block: Block, cache_warnings: list[warnings.WarningMessage]
+) -> None:
+    x, kv = _inputs()
+    probe = cache_compile(block.decode, cache_dir=tmp_path)
+    probe.store.ensure_dir(probe.func_dir)
+    target = tmp_path / "victim"
+    (probe.func_dir / ".lock").symlink_to(target)
+    torch.testing.assert_close(probe(x, kv), _eager(block, x, kv))
+    [message] = _ours(cache_warnings)
+    assert "symbolic link" in message
+    assert not target.exists()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"cache_dir": 5}, CacheTypeError, r"cache_dir must be a folder path .* got int 5"),
+        ({"cache_dir": b"x"}, CacheTypeError, r"cache_dir .* got bytes"),
+        ({"custom_decompositions": {"notanop": 1}}, CacheTypeError,
+         r"custom_decompositions key str 'notanop' is not an ATen op; allowed keys"),
+        ({"custom_decompositions": {torch.ops.aten.relu.default: 1}}, CacheTypeError,
+         r"custom_decompositions\[aten.relu.default\] is int 1, not callable"),
+        ({"custom_decompositions": [1]}, CacheTypeError, r"custom_decompositions must be a dict"),
+        ({"dynamic": "yes"}, CacheArgumentError, r"dynamic must be True or False, got str 'yes'"),
+    ],
+)
+def test_bad_arguments_raise_at_the_call_naming_them(
+    block: Block, kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        cache_compile(block.decode, **kwargs)
+
+
+def test_cache_dir_that_is_a_file_is_refused_at_the_call(tmp_path: Path, block: Block) -> None:
+    path = tmp_path / "file"
+    path.write_text("")
+    with pytest.raises(CacheArgumentError, match=r"cache_dir '.*file' exists and is not a folder"):
+        cache_compile(block.decode, cache_dir=path)
+
+
+@pytest.mark.parametrize(("arg", "match"), [(None, "got NoneType None"), (5, "got int 5")])
+def test_readable_cache_bad_argument_names_it(arg: Any, match: str) -> None:
+    with pytest.raises(CacheTypeError, match=f"readable_cache: cache_bin must be .*{match}"):
+        readable_cache(arg)

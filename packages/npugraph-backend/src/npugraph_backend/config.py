@@ -253,16 +253,21 @@ class CompilerConfig:
         return {n: v for n, v in self.as_dict().items() if v != _BY_NAME[n].default}
 
     def canonical(self) -> dict[str, object]:
-        """Plain JSON-able options: passes by identity, a user pool as "user" (its identity is
-        process-local and does not change what is compiled)."""
+        """Plain JSON-able options that change the compiled artefact (cache keys hash this):
+        passes by identity, a user pool as "user" (its identity is process-local and does not
+        change what is compiled), the dump options only when dumping is on, and data_dump_dir as
+        given, never made absolute (a relative dir is resolved where the artefact runs), so the
+        same model started from another working directory shares its entry."""
         out: dict[str, object] = {}
         for name, value in self.as_dict().items():
             if name in ("post_grad_custom_pre_pass", "post_grad_custom_post_pass"):
                 out[name] = None if value is None else _pass_identity(value)  # type: ignore[arg-type]
             elif name == "use_graph_pool":
                 out[name] = None if value is None else "user"
+            elif name in ("data_dump_dir", "data_dump_stage") and not self.dump_tensor_data:
+                out[name] = None
             elif name == "data_dump_dir":
-                out[name] = os.path.abspath(str(value))
+                out[name] = os.fspath(value)  # type: ignore[call-overload]
             else:
                 out[name] = value
         return out

@@ -12,19 +12,33 @@ from npugraph_cache.compile_cache import (
     cache_compile,
     eager_compile_fn,
 )
-from npugraph_cache.format import FORMAT_VERSION, FormatError
+from npugraph_cache.errors import (
+    CacheArgumentError,
+    CacheEntryError,
+    CacheError,
+    CachePermissionError,
+    CacheTypeError,
+    FormatError,
+)
+from npugraph_cache.format import FORMAT_VERSION
 from npugraph_cache.keys import CacheKey, build_key, model_info, rank_component
 from npugraph_cache.readable import readable_cache
 from npugraph_cache.rng import RngGraphError
-from npugraph_cache.store import DEFAULT_CACHE_DIR, CacheEntryError, CacheStore
+from npugraph_cache.secret import KEY_ENV, key_path
+from npugraph_cache.store import DEFAULT_CACHE_DIR, CacheStore
 
 __all__ = [
     "DEFAULT_CACHE_DIR",
     "FORMAT_VERSION",
+    "KEY_ENV",
+    "CacheArgumentError",
     "CacheCompiledFunction",
     "CacheEntryError",
+    "CacheError",
     "CacheKey",
+    "CachePermissionError",
     "CacheStore",
+    "CacheTypeError",
     "CacheWarning",
     "CompileFn",
     "FormatError",
@@ -33,6 +47,7 @@ __all__ = [
     "build_key",
     "cache_compile",
     "eager_compile_fn",
+    "key_path",
     "model_info",
     "rank_component",
     "readable_cache",

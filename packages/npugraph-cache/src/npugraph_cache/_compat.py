@@ -32,6 +32,8 @@ def aot_compile(
     kwargs: dict[str, Any],
     backend: Backend,
     dynamic: bool,
+    value_guards: Callable[[str, str], bool] | None = None,
+    recorded: list[str] | None = None,
 ) -> Any:
     """Checked on torch 2.13.0: ``torch.compile(fullgraph=True).aot_compile(((args), {kwargs}))``
     traces ``fn`` once, keeps its guards, and returns an ``AOTCompiledFunction``.
@@ -39,7 +41,12 @@ def aot_compile(
     ``torch._dynamo.config.specialize_float`` is set: with dynamic=True dynamo makes Python
     floats symbolic and AOT's tensorify pass then asks for a restart with the float specialised,
     which torch.compile does but aot_compile cannot (TensorifyScalarRestartAnalysis escapes);
-    specialising up front gives the graph the restart would have given."""
+    specialising up front gives the graph the restart would have given.
+
+    ``value_guards(guard_type, name)`` selects the guards on values whose source names go to
+    ``recorded`` (they are checked by npugraph_cache.guards, since torch cannot save them)."""
+    import functools
+
     import torch._dynamo.config as dynamo_config
 
     compiled = torch.compile(
@@ -47,13 +54,21 @@ def aot_compile(
         fullgraph=True,
         backend=backend,
         dynamic=dynamic,
-        options={"guard_filter_fn": portable_guard_filter},
+        options={
+            "guard_filter_fn": functools.partial(
+                portable_guard_filter, value_guards=value_guards, recorded=recorded
+            )
+        },
     )
     with dynamo_config.patch(specialize_float=True):
         return compiled.aot_compile((args, kwargs))  # type: ignore[attr-defined]
 
 
-def portable_guard_filter(entries: Any) -> list[bool]:
+def portable_guard_filter(
+    entries: Any,
+    value_guards: Callable[[str, str], bool] | None = None,
+    recorded: list[str] | None = None,
+) -> list[bool]:
     """torch.compile's ``guard_filter_fn`` (a public option; entries are GuardFilterEntry, checked
     on torch 2.13.0): keep the guards that survive a save and a load in another process —
     tensor dtype/device/shape/stride (TENSOR_MATCH), the dynamic-shape relations (SHAPE_ENV) and
@@ -62,7 +77,9 @@ def portable_guard_filter(entries: Any) -> list[bool]:
     the frame's globals and dict-key-order guards (transformers models guard on pytree's
     registry), which then fail to load. What the dropped guards protected is covered by the cache
     key (Python values of the inputs, the module's repr, sources) and by the traced-source check
-    on load (``changed_sources``)."""
+    on load (``changed_sources``); the values the code read are recorded for ``guards``."""
+    if value_guards is not None and recorded is not None:
+        recorded.extend(e.name for e in entries if value_guards(e.guard_type, e.name))
     return [
         e.guard_type in ("GLOBAL_STATE", "SHAPE_ENV")
         or (e.guard_type == "TENSOR_MATCH" and not e.is_global)
@@ -124,6 +141,22 @@ def guard_check(compiled: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     return bool(compiled.guard_check(*args, **kwargs))
 
 
+def without_first_call_alias_check() -> Any:
+    """Checked on torch 2.13.0: ``torch._functorch.config.check_custom_op_aliasing`` makes the
+    first invocation of an AOT runtime wrapper run ``_AnalyzeCustomOpInputOutputMode`` over every
+    op (a diagnostic: do custom ops' outputs alias their inputs). On that first call our backend
+    warms up and captures, so the mode sees ~10x the graph's ops (0.25 s of a 0.8 s warm start
+    of a 12-layer Llama). A loaded entry's graph was checked by the process that compiled it;
+    its first call skips the check (the wrapper then runs it once on a later, plain replay)."""
+    import torch._functorch.config as functorch_config
+
+    if not hasattr(functorch_config, "check_custom_op_aliasing"):
+        import contextlib
+
+        return contextlib.nullcontext()
+    return functorch_config.patch(check_custom_op_aliasing=False)
+
+
 def disable_guard_check(compiled: Any) -> None:
     """Checked on torch 2.13.0: ``AOTCompiledFunction.disable_guard_check()``; we check the guards
     ourselves first (to pick among entries), so the call itself need not check them again."""
@@ -145,6 +178,12 @@ def dynamo_counters() -> Any:
     from torch._dynamo.utils import counters
 
     return counters
+
+
+def is_op(target: object) -> bool:
+    """Checked on torch 2.13.0: decomposition tables are keyed by ``torch._ops.OpOverload``
+    (``torch.ops.aten.relu.default``) or ``OpOverloadPacket`` (``torch.ops.aten.relu``)."""
+    return isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket)
 
 
 # --- rng.py: which ATen ops draw random numbers ------------------------------------------------

@@ -7,8 +7,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from npugraph_cache.readable import readable_cache
-from npugraph_cache.store import CacheEntryError, CacheStore, clear, iter_entries
+from npugraph_cache.errors import CacheEntryError
+from npugraph_cache.readable import escape_controls, readable_cache
+from npugraph_cache.store import CacheStore, clear, iter_entries
 
 
 def _ls(root: Path) -> int:
@@ -19,13 +20,15 @@ def _ls(root: Path) -> int:
     for path in iter_entries(root):
         count += 1
         try:
-            entry = CacheStore.read(path)
+            meta, authenticated = CacheStore.read_metadata(path)  # never unpickles
         except CacheEntryError as exc:
-            print(f"{path}  INVALID ({exc.reason})")
+            print(escape_controls(f"{path}  INVALID ({exc.reason})"))
             continue
-        meta = entry.metadata if entry is not None else {}
         size = path.stat().st_size
-        print(f"{path}  {meta.get('func')}  {meta.get('created')}  {size} bytes")
+        state = "" if authenticated else "  NOT AUTHENTICATED (not written with your key)"
+        print(escape_controls(
+            f"{path}  {meta.get('func')}  {meta.get('created')}  {size} bytes{state}"
+        ))
     print(f"{count} entr{'y' if count == 1 else 'ies'}")
     return 0
 
@@ -54,8 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         removed = clear(Path(args.dir))
         print(f"removed {removed} entr{'y' if removed == 1 else 'ies'} from {args.dir}")
         return 0
-    except (ValueError, OSError) as exc:
-        print(f"npugraph-ex cache {args.command}: {exc}", file=sys.stderr)
+    except (ValueError, TypeError, OSError) as exc:
+        message = " ".join(str(exc).split())  # one line, whatever the file held
+        print(escape_controls(f"npugraph-ex cache {args.command}: {message}"), file=sys.stderr)
         return 1
 
 

@@ -20,7 +20,16 @@ import torch
 
 from npugraph_cache import _compat
 from npugraph_cache.__about__ import __version__
+from npugraph_cache.errors import (
+    CacheArgumentError,
+    CacheEntryError,
+    CachePermissionError,
+    CacheTypeError,
+    FormatError,
+    describe,
+)
 from npugraph_cache.format import encode
+from npugraph_cache.guards import ValueGuards
 from npugraph_cache.keys import (
     CacheKey,
     build_key,
@@ -30,7 +39,7 @@ from npugraph_cache.keys import (
     value_signature,
 )
 from npugraph_cache.rng import RngGraphError, refuse_rng
-from npugraph_cache.store import CacheEntryError, CacheStore, check_owned
+from npugraph_cache.store import CacheStore, check_owned
 
 Backend = Callable[[torch.fx.GraphModule, list[Any]], Any]
 CompileFn = Callable[[Mapping[str, Any] | None, Mapping[Any, Any] | None], Backend]
@@ -49,13 +58,13 @@ def eager_compile_fn(
 ) -> Backend:
     """The torch-only default: run the dynamo graph as traced (no AOT, no passes)."""
     if options:
-        raise ValueError(
+        raise CacheArgumentError(
             f"cache_compile: options={dict(options)!r} need a compile_fn that understands them; "
             "the default compile_fn runs the traced graph as is (use npugraph_ex.inference."
             "cache_compile for the npugraph_ex backend)"
         )
     if custom_decompositions:
-        raise ValueError(
+        raise CacheArgumentError(
             "cache_compile: custom_decompositions need a compile_fn that applies them; the "
             "default compile_fn does not decompose"
         )
@@ -125,7 +134,8 @@ class CacheCompiledFunction:
         self.custom_decompositions = custom_decompositions
         self.compile_fn = compile_fn
         self.key_extra = dict(key_extra or {})
-        self._entries: list[tuple[tuple[Any, ...], Any]] = []
+        self._entries: list[tuple[tuple[Any, ...], Any, Callable[[], bool]]] = []
+        self._self_name: str = self._function.__code__.co_varnames[0]
         self.entry_paths: list[Path] = []
         self.__wrapped__ = func
         self.__doc__ = getattr(func, "__doc__", None)
@@ -143,13 +153,19 @@ class CacheCompiledFunction:
         call_args = (self._module, *args)
         signature = value_signature(args, kwargs, self.dynamic)
         with torch.no_grad():
-            for entry_signature, compiled in self._entries:
-                if entry_signature == signature and _compat.guard_check(
-                    compiled, call_args, kwargs
+            for entry_signature, compiled, values_match in self._entries:
+                if (
+                    entry_signature == signature
+                    and values_match()
+                    and _compat.guard_check(compiled, call_args, kwargs)
                 ):
                     return compiled(*call_args, **kwargs)
-            compiled = self._obtain(args, kwargs)
-            self._entries.append((signature, compiled))
+            compiled, guards, loaded = self._obtain(args, kwargs)
+            check = guards.checker(self._function.__globals__, self._module)
+            self._entries.append((signature, compiled, check))
+            if loaded:
+                with _compat.without_first_call_alias_check():
+                    return compiled(*call_args, **kwargs)
             return compiled(*call_args, **kwargs)
 
     # --- obtaining an entry -------------------------------------------------------------------
@@ -166,7 +182,11 @@ class CacheCompiledFunction:
             key_extra=self.key_extra,
         )
 
-    def _obtain(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def _obtain(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Any, ValueGuards, bool]:
+        """(compiled, the value guards it must keep passing, whether it was loaded)."""
+        no_guards = ValueGuards(self._self_name, (), ())
         if not _compat.has_aot_compile():
             warnings.warn(
                 f"npugraph_ex cache: torch {torch.__version__} has no aot_compile; {self.name} "
@@ -174,23 +194,41 @@ class CacheCompiledFunction:
                 CacheWarning,
                 stacklevel=3,
             )
-            return self._compile_without_cache()
+            return self._compile_without_cache(), no_guards, False
         key = self.key_for(args, kwargs)
         func_dir = self.func_dir
-        self.store.ensure_dir(func_dir)
         call_args = (self._module, *args)
         warned: set[str] = set()
-        compiled, path = self._load_any(func_dir, key, call_args, kwargs, warned)
-        if compiled is None:
-            # Writers queue here; whoever comes second finds the first one's entry and loads it.
-            with self.store.lock(func_dir):
-                compiled, path = self._load_any(func_dir, key, call_args, kwargs, warned)
-                if compiled is None:
-                    compiled = self._compile_and_save(path, key, args, kwargs)
+        stale: list[str] = []
+        loaded = True
+        try:
+            self.store.ensure_dir(func_dir)
+            compiled, guards, path = self._load_any(func_dir, key, call_args, kwargs, warned, stale)
+            if compiled is None:
+                # Writers queue here; whoever comes second finds the first one's entry, loads it.
+                with self.store.lock(func_dir):
+                    compiled, guards, path = self._load_any(
+                        func_dir, key, call_args, kwargs, warned, stale
+                    )
+                    if compiled is None:
+                        if stale:
+                            self._reject(
+                                warned,
+                                f"npugraph_ex cache: {self.name}: {stale[0]}; recompiling",
+                            )
+                        compiled, guards = self._compile_and_save(path, key, args, kwargs)
+                        loaded = False
+        except CachePermissionError as exc:
+            warnings.warn(
+                f"npugraph_ex cache: {exc}; {self.name} is compiled without the disk cache",
+                CacheWarning,
+                stacklevel=3,
+            )
+            return self._compile_without_cache(), no_guards, False
         _compat.disable_guard_check(compiled)
         if not isinstance(compiled, _Uncached):
             self.entry_paths.append(path)
-        return compiled
+        return compiled, guards, loaded
 
     def _load_any(
         self,
@@ -199,22 +237,28 @@ class CacheCompiledFunction:
         call_args: tuple[Any, ...],
         kwargs: dict[str, Any],
         warned: set[str],
-    ) -> tuple[Any, Path]:
-        """(compiled, its path) on a hit; (None, where to write) on a miss. One key can hold
-        several variants: guards the key cannot see (an int dynamo specialised, global state)
-        select among them; a broken variant's file is reused, else the next free name."""
+        stale: list[str],
+    ) -> tuple[Any, ValueGuards, Path]:
+        """(compiled, its value guards, its path) on a hit; (None, _, where to write) on a miss.
+        One key can hold several variants: guards the key cannot see (an int dynamo
+        specialised, global state, the values of globals and module attributes) select among
+        them; a broken variant's file is reused, else the next free name. ``stale`` collects
+        why variants' value guards failed (for the one warning of a recompile)."""
         digest = key.digest()
         broken: Path | None = None
+        none = ValueGuards(self._self_name, (), ())
         for variant in range(MAX_VARIANTS):
             path = self.store.entry_path(func_dir, digest, variant)
-            status, compiled = self._try_load(path, key, call_args, kwargs, warned)
+            status, compiled, guards = self._try_load(
+                path, key, call_args, kwargs, warned, stale
+            )
             if status == "hit":
-                return compiled, path
+                return compiled, guards, path
             if status == "missing":
-                return None, broken or path
+                return None, none, broken or path
             if status == "broken" and broken is None:
                 broken = path
-        return None, broken or self.store.entry_path(func_dir, digest, 0)
+        return None, none, broken or self.store.entry_path(func_dir, digest, 0)
 
     def _reject(self, warned: set[str], message: str) -> None:
         """One warning (and one count) per rejected entry, though it is read twice (before and
@@ -231,22 +275,36 @@ class CacheCompiledFunction:
         call_args: tuple[Any, ...],
         kwargs: dict[str, Any],
         warned: set[str],
-    ) -> tuple[str, Any]:
-        """("hit", compiled) | ("missing", None) | ("broken", None) with one warning |
-        ("rejected", None) when a valid variant's guards reject these inputs."""
+        stale: list[str],
+    ) -> tuple[str, Any, ValueGuards]:
+        """("hit", compiled, guards) | ("missing", ...) | ("broken", ...) with one warning |
+        ("rejected", ...) when a valid variant's guards reject these inputs or the values of
+        the globals and attributes it read. Nothing is unpickled unless the entry's tag
+        verifies with the user's key and its value guards pass."""
+        none = ValueGuards(self._self_name, (), ())
         try:
             entry = self.store.read(path)
         except CacheEntryError as exc:
             self._reject(warned, f"npugraph_ex cache: ignoring {exc}; recompiling")
-            return "broken", None
+            return "broken", None, none
         if entry is None:
-            return "missing", None
+            return "missing", None, none
         stored = entry.metadata.get("key")
         if not isinstance(stored, dict) or CacheKey(stored).digest() != key.digest():
             self._reject(
                 warned, f"npugraph_ex cache: ignoring {path}: its key does not match; recompiling"
             )
-            return "broken", None
+            return "broken", None, none
+        try:
+            guards = ValueGuards.from_json(entry.metadata.get("value_guards"))
+        except FormatError as exc:
+            self._reject(warned, f"npugraph_ex cache: ignoring {path}: {exc}; recompiling")
+            return "broken", None, none
+        changed_value = guards.mismatch(self._function.__globals__, self._module)
+        if changed_value is not None:
+            if changed_value not in stale:
+                stale.append(changed_value)
+            return "rejected", None, none
         try:
             compiled = _compat.load_compiled(entry.payload, self._function.__globals__)
         except Exception as exc:  # torch raises many types here (pickle, version checks)
@@ -255,7 +313,7 @@ class CacheCompiledFunction:
                 f"npugraph_ex cache: ignoring {path}: cannot be loaded "
                 f"({type(exc).__name__}: {exc}); recompiling",
             )
-            return "broken", None
+            return "broken", None, none
         changed = _compat.changed_sources(compiled)
         if changed:
             self._reject(
@@ -263,20 +321,22 @@ class CacheCompiledFunction:
                 f"npugraph_ex cache: ignoring {path}: the code it traced has changed since "
                 f"({'; '.join(changed[:3])}); recompiling",
             )
-            return "broken", None
+            return "broken", None, none
         if not _compat.guard_check(compiled, call_args, kwargs):
             if str(path) not in warned:
                 warned.add(str(path))
                 _bump("guard_mismatch")
-            return "rejected", None
+            return "rejected", None, none
         _bump("loaded")
-        return "hit", compiled
+        return "hit", compiled, guards
 
     def _compile_and_save(
         self, path: Path, key: CacheKey, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> Any:
+    ) -> tuple[Any, ValueGuards]:
         backend = self.compile_fn(self.options, self.custom_decompositions)
         graph_code: list[str] = []
+        recorded: list[str] = []
+        self_name = self._self_name
         qualname = getattr(self._function, "__qualname__", self.name)
 
         def checked_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
@@ -286,7 +346,13 @@ class CacheCompiledFunction:
 
         try:
             compiled = _compat.aot_compile(
-                self._method, args, kwargs, checked_backend, self.dynamic
+                self._method,
+                args,
+                kwargs,
+                checked_backend,
+                self.dynamic,
+                value_guards=lambda kind, name: ValueGuards.kept(kind, name, self_name),
+                recorded=recorded,
             )
         except Exception as exc:
             cause: BaseException | None = exc
@@ -302,10 +368,13 @@ class CacheCompiledFunction:
                         CacheWarning,
                         stacklevel=4,
                     )
-                    return self._compile_without_cache()
+                    return self._compile_without_cache(), ValueGuards(self_name, (), ())
                 cause = cause.__cause__ or cause.__context__
             raise
         _bump("compiled")
+        guards = ValueGuards.from_recorded(
+            recorded, self_name, self._function.__globals__, self._module
+        )
         try:
             payload = _compat.serialize_compiled(compiled)
         except Exception as exc:  # e.g. a backend output that does not pickle
@@ -315,7 +384,7 @@ class CacheCompiledFunction:
                 CacheWarning,
                 stacklevel=4,
             )
-            return compiled
+            return compiled, guards
         readable = getattr(backend, "readable_code", None)
         metadata = {
             "key": key.fields,
@@ -330,9 +399,10 @@ class CacheCompiledFunction:
             "rank": self.rank,
             "graph_code": "\n".join(graph_code),
             "compiler_code": str(readable()) if callable(readable) else "",
+            "value_guards": guards.to_json(),
         }
-        self.store.write(path, encode(metadata, payload))
-        return compiled
+        self.store.write(path, encode(metadata, payload, self.store.key))
+        return compiled, guards
 
     def _compile_without_cache(self) -> _Uncached:
         backend = self.compile_fn(self.options, self.custom_decompositions)
@@ -367,41 +437,40 @@ def cache_compile(
     """
     unknown = sorted(set(kwargs) - set(_ALLOWED_KWARGS))
     if unknown:
-        raise ValueError(
+        raise CacheArgumentError(
             f"cache_compile: unknown keyword argument(s) {', '.join(map(repr, unknown))}; "
             f"allowed: {', '.join(_ALLOWED_KWARGS)}"
         )
     if not inspect.ismethod(func):
-        raise ValueError(
+        raise CacheArgumentError(
             f"cache_compile: func must be a bound method of an nn.Module (e.g. model.decode), "
             f"got {type(func).__name__} {func!r}"
         )
     if not isinstance(func.__self__, torch.nn.Module):
-        raise ValueError(
+        raise CacheArgumentError(
             f"cache_compile: func must be a method of an nn.Module, got a method of "
             f"{type(func.__self__).__name__}"
         )
     if not isinstance(dynamic, bool):
-        raise ValueError(f"cache_compile: dynamic must be True or False, got {dynamic!r}")
+        raise CacheArgumentError(
+            f"cache_compile: dynamic must be True or False, got {describe(dynamic)}"
+        )
     for name, value in (("global_rank", global_rank), ("tp_rank", tp_rank), ("pp_rank", pp_rank)):
         if value is not None and (
             not isinstance(value, int) or isinstance(value, bool) or value < 0
         ):
-            raise ValueError(f"cache_compile: {name} must be an int >= 0 or None, got {value!r}")
+            raise CacheArgumentError(
+                f"cache_compile: {name} must be an int >= 0 or None, got {describe(value)}"
+            )
     options = kwargs.get("options")
     if options is not None and not isinstance(options, Mapping):
-        raise ValueError(
-            f"cache_compile: options must be a dict or None, got {type(options).__name__}"
+        raise CacheArgumentError(
+            f"cache_compile: options must be a dict or None, got {describe(options)}"
         )
     decompositions = kwargs.get("custom_decompositions")
-    if decompositions is not None and not isinstance(decompositions, Mapping):
-        raise ValueError(
-            "cache_compile: custom_decompositions must be a dict {op: function} or None, got "
-            f"{type(decompositions).__name__}"
-        )
-    store = CacheStore(cache_dir)
-    if store.root.exists():
-        check_owned(store.root, "cache_dir")
+    check_decompositions(decompositions)
+    store = CacheStore(check_cache_dir(cache_dir))
+    store.key  # noqa: B018 - a missing key is created now, a bad key file refused at this call
     return CacheCompiledFunction(
         func,
         dynamic=dynamic,
@@ -412,3 +481,51 @@ def cache_compile(
         compile_fn=compile_fn or eager_compile_fn,
         key_extra=key_extra,
     )
+
+
+def check_cache_dir(cache_dir: object) -> str | os.PathLike[str] | None:
+    """cache_dir as given, or CacheTypeError / CacheArgumentError / CachePermissionError naming
+    it: a path (str or os.PathLike) of a folder of ours that others cannot write to, or None."""
+    if cache_dir is None:
+        return None
+    if not isinstance(cache_dir, str | os.PathLike) or isinstance(cache_dir, bytes):
+        raise CacheTypeError(
+            f"cache_compile: cache_dir must be a folder path (str or os.PathLike) or None, got "
+            f"{describe(cache_dir)}"
+        )
+    path = Path(cache_dir)
+    if not str(cache_dir):
+        raise CacheArgumentError(
+            "cache_compile: cache_dir must be a folder path or None, got an empty string"
+        )
+    if path.is_symlink() or path.exists():
+        if not path.is_symlink() and not path.is_dir():
+            raise CacheArgumentError(
+                f"cache_compile: cache_dir {str(path)!r} exists and is not a folder; give a "
+                "folder (created when missing) or None"
+            )
+        check_owned(path, "cache_compile: cache_dir")
+    return cache_dir
+
+
+def check_decompositions(decompositions: object) -> None:
+    """CacheTypeError unless None or a dict {ATen op: callable}, naming the first bad item."""
+    if decompositions is None:
+        return
+    if not isinstance(decompositions, Mapping):
+        raise CacheTypeError(
+            "cache_compile: custom_decompositions must be a dict {op: function} or None, got "
+            f"{describe(decompositions)}"
+        )
+    for op, fn in decompositions.items():
+        if not _compat.is_op(op):
+            raise CacheTypeError(
+                f"cache_compile: custom_decompositions key {describe(op)} is not an ATen op; "
+                "allowed keys: an OpOverload such as torch.ops.aten.relu.default or a packet "
+                "such as torch.ops.aten.relu"
+            )
+        if not callable(fn):
+            raise CacheTypeError(
+                f"cache_compile: custom_decompositions[{op}] is {describe(fn)}, not callable; "
+                "allowed values: a function taking the op's arguments"
+            )

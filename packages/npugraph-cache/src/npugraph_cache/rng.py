@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from npugraph_cache._compat import is_seeded_op
+from npugraph_cache.errors import CacheError
 
 _RNG_FUNCTIONS = frozenset(
     {
@@ -24,7 +25,7 @@ _DROPOUTS = frozenset(
 )
 
 
-class RngGraphError(RuntimeError):
+class RngGraphError(CacheError, RuntimeError):
     """cache_compile was given a function whose graph uses random numbers."""
 
 

@@ -3,7 +3,10 @@
 Layout: ``<cache_dir>/<model_info>/[<rank>/]<func>/compiled_<key>.ngx`` plus a ``.lock`` file per
 func folder. Folders we create are 0700 and files 0600; an entry is written to a temporary file
 in the same folder and renamed over the final name, so a reader sees either nothing or a whole
-entry. Only regular files owned by the current user and not readable by others are loaded.
+entry. Only regular files owned by the current user and not readable by others are loaded, and
+only when their tag verifies with the user's key (``format``). A cache folder that others can
+write to, or that belongs to another user, is refused (as ssh refuses such a key folder); links
+are never followed (entries, folders and the lock file).
 """
 
 from __future__ import annotations
@@ -14,23 +17,19 @@ import stat
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
-from npugraph_cache.format import Entry, FormatError, decode
+from npugraph_cache.errors import CacheEntryError, CachePermissionError, FormatError
+from npugraph_cache.format import Entry, decode, read_metadata
 from npugraph_cache.lock import FileLock
+from npugraph_cache.secret import user_key
+
+__all__ = ["DEFAULT_CACHE_DIR", "CacheEntryError", "CacheStore", "check_owned", "clear", "iter_entries"]
 
 DEFAULT_CACHE_DIR = ".npugraph_ex_cache"
 ENTRY_PREFIX = "compiled_"
 ENTRY_SUFFIX = ".ngx"
 LOCK_NAME = ".lock"
-
-
-class CacheEntryError(ValueError):
-    """An entry that must not be loaded; the message names the file and the reason."""
-
-    def __init__(self, path: Path, reason: str) -> None:
-        super().__init__(f"{path}: {reason}")
-        self.path = path
-        self.reason = reason
 
 
 def _uid() -> int | None:
@@ -39,21 +38,34 @@ def _uid() -> int | None:
 
 
 def check_owned(path: Path, what: str) -> None:
-    """ValueError unless ``path`` (not followed if a link) belongs to the current user."""
+    """CachePermissionError unless ``path`` (not followed if a link) is a folder of the current
+    user that nobody else can write to."""
     uid = _uid()
     st = path.lstat()
     if stat.S_ISLNK(st.st_mode):
-        raise ValueError(f"{what} {path} is a symbolic link; give the real directory")
+        raise CachePermissionError(f"{what} {path} is a symbolic link; give the real directory")
+    if not stat.S_ISDIR(st.st_mode):
+        raise CachePermissionError(f"{what} {path} is not a directory")
     if uid is not None and st.st_uid != uid:
-        raise ValueError(
+        raise CachePermissionError(
             f"{what} {path} belongs to uid {st.st_uid}, not to the current user (uid {uid}); "
             "use a cache_dir of your own"
+        )
+    if st.st_mode & 0o022:
+        raise CachePermissionError(
+            f"{what} {path} has mode {stat.S_IMODE(st.st_mode):o}: others can write to it and "
+            f"plant entries or links; refused (run `chmod 700 {path}`, or use another cache_dir)"
         )
 
 
 class CacheStore:
     def __init__(self, root: str | os.PathLike[str] | None = None) -> None:
         self.root = Path(root if root is not None else DEFAULT_CACHE_DIR)
+
+    @property
+    def key(self) -> bytes:
+        """The user's key that authenticates entries (``npugraph_cache.secret``)."""
+        return _key()
 
     def func_dir(self, model_info: str, rank: str, func_name: str) -> Path:
         parts = [model_info] + ([rank] if rank else []) + [func_name]
@@ -101,12 +113,47 @@ class CacheStore:
             raise
 
     @staticmethod
-    def read(path: Path) -> Entry | None:
-        """None when there is no entry; CacheEntryError when there is one we must not load."""
-        try:
-            st = path.lstat()
-        except FileNotFoundError:
+    def read(path: Path, key: bytes | None = None) -> Entry | None:
+        """None when there is no entry; CacheEntryError when there is one we must not load
+        (``key``: the user's key by default)."""
+        data = read_private(path)
+        if data is None:
             return None
+        try:
+            return decode(data, key if key is not None else _key())
+        except FormatError as exc:
+            raise CacheEntryError(path, str(exc)) from None
+
+    @staticmethod
+    def read_metadata(path: Path) -> tuple[dict[str, Any], bool]:
+        """(metadata, authenticated) of an entry, never touching its payload (for showing it)."""
+        data = read_private(path)
+        if data is None:
+            raise CacheEntryError(path, "does not exist")
+        try:
+            return read_metadata(data, user_key(create=False))
+        except FormatError as exc:
+            raise CacheEntryError(path, str(exc)) from None
+
+
+def _key() -> bytes:
+    key = user_key()
+    assert key is not None
+    return key
+
+
+def read_private(path: Path) -> bytes | None:
+    """The bytes of a regular file of ours that others cannot read (opened without following a
+    link); None when it does not exist; CacheEntryError otherwise."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        reason = "not a regular file (a symbolic link)" if path.is_symlink() else f"unreadable: {exc.strerror}"
+        raise CacheEntryError(path, reason) from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):
             raise CacheEntryError(path, "not a regular file (a link or a folder)")
         uid = _uid()
@@ -115,13 +162,9 @@ class CacheStore:
         if st.st_mode & 0o077:
             raise CacheEntryError(path, f"mode {stat.S_IMODE(st.st_mode):o}, expected 600")
         try:
-            data = path.read_bytes()
+            return f.read()
         except OSError as exc:
             raise CacheEntryError(path, f"unreadable: {exc}") from None
-        try:
-            return decode(data)
-        except FormatError as exc:
-            raise CacheEntryError(path, str(exc)) from None
 
 
 def iter_entries(root: Path) -> Iterator[Path]:

@@ -1,0 +1,181 @@
+"""Value guards that survive a save: the globals, closure cells and non-tensor module attributes
+the traced code read.
+
+torch cannot save the guards dynamo puts on such values (they need the frame's globals), so an
+entry would otherwise replay the value it was traced with: ``self.lin(x) * SCALE`` with another
+``SCALE`` in a later process would return the old result. At compile time the guard filter
+hands us every value guard dynamo made (``CONSTANT_MATCH``/``EQUALS_MATCH`` on a value,
+``CLOSURE_MATCH``/``FUNCTION_MATCH`` on a function); we keep those rooted at the module's
+globals (``G[...]``, closure cells included) or at the module itself (``self.<attr>``) as source
+expressions with a portable description of the value (type and value for scalars, strings and
+tuples of them; module and qualified name for a function; ``repr`` otherwise). They are stored in
+the entry's (authenticated) metadata and checked before an entry is unpickled; the globals are
+checked again on every call: a changed value selects or compiles another entry, as
+torch.compile recompiles. A module attribute changed inside a running process after its first
+call is not re-checked (documented in the README).
+
+Guards on the other arguments are left to the key's value signature; a value whose description
+holds a memory address (``<object at 0x...>``) cannot be compared across processes and is
+skipped (documented in the README).
+"""
+
+from __future__ import annotations
+
+import builtins
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from npugraph_cache.errors import FormatError
+
+VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH"})
+FUNCTION_GUARDS = frozenset({"CLOSURE_MATCH", "FUNCTION_MATCH"})
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+_MAX_DEPTH = 8
+# modules dynamo itself puts into the globals while tracing (absent in a process that loads)
+_DYNAMO_IMPORTS = "G['__import_"
+
+
+def describe(value: Any, depth: int = 0) -> Any:
+    """A portable, comparable description of a value (tuples, so it compares and hashes)."""
+    if value is None or isinstance(value, bool | int | float | str | bytes):
+        return (type(value).__name__, value if not isinstance(value, bytes) else value.hex())
+    if isinstance(value, tuple | list | frozenset | set) and depth < _MAX_DEPTH:
+        items = sorted(value, key=repr) if isinstance(value, set | frozenset) else value
+        return (type(value).__name__, tuple(describe(v, depth + 1) for v in items))
+    qualname = getattr(value, "__qualname__", None)
+    if callable(value) and isinstance(qualname, str):
+        return ("function", str(getattr(value, "__module__", "")), qualname)
+    return ("repr", repr(value))
+
+
+def _portable(desc: Any) -> bool:
+    return not (desc[0] == "repr" and _ADDRESS.search(desc[1]))
+
+
+def _from_json(value: Any) -> Any:
+    if isinstance(value, list):
+        return tuple(_from_json(v) for v in value)
+    return value
+
+
+@dataclass(frozen=True)
+class ValueGuards:
+    """``sources`` are Python expressions over ``G`` (the function's globals) and the method's
+    first parameter (the module); ``expected`` the description of each value at compile time."""
+
+    self_name: str
+    sources: tuple[str, ...]
+    expected: tuple[Any, ...]
+
+    @staticmethod
+    def kept(guard_type: str, name: str, self_name: str) -> bool:
+        if guard_type not in VALUE_GUARDS | FUNCTION_GUARDS or name.startswith(_DYNAMO_IMPORTS):
+            return False
+        return name.startswith("G[") or name == self_name or name.startswith(
+            (f"{self_name}.", f"{self_name}[")
+        )
+
+    @classmethod
+    def from_recorded(
+        cls, names: Sequence[str], self_name: str, f_globals: dict[str, Any], module: Any
+    ) -> ValueGuards:
+        """The recorded guard sources that evaluate here, with the values they have now (right
+        after tracing, the values dynamo specialised on)."""
+        sources: list[str] = []
+        expected: list[Any] = []
+        for name in dict.fromkeys(names):
+            try:
+                value = _evaluator(self_name, (name,))(f_globals, module)[0]
+            except Exception:  # an expression of dynamo's own helpers: not ours to evaluate
+                continue
+            if _portable(value):
+                sources.append(name)
+                expected.append(value)
+        return cls(self_name, tuple(sources), tuple(expected))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"self": self.self_name, "sources": list(self.sources), "expected": list(self.expected)}
+
+    @classmethod
+    def from_json(cls, data: Any) -> ValueGuards:
+        """FormatError when the metadata does not have the shape ``to_json`` writes."""
+        if data is None:
+            return cls("self", (), ())
+        ok = (
+            isinstance(data, dict)
+            and isinstance(data.get("self"), str)
+            and data["self"].isidentifier()
+            and isinstance(data.get("sources"), list)
+            and isinstance(data.get("expected"), list)
+            and len(data["sources"]) == len(data["expected"])
+            and all(isinstance(s, str) for s in data["sources"])
+        )
+        if not ok:
+            raise FormatError("value_guards metadata is malformed")
+        return cls(data["self"], tuple(data["sources"]), _from_json(data["expected"]))
+
+    def checker(self, f_globals: dict[str, Any], module: Any) -> Callable[[], bool]:
+        """A cheap check for every call: True when every global (and closure cell) still has
+        its description. Module attributes are checked when an entry is selected (``mismatch``)
+        but not on every call: they are one per layer (a 12-layer Llama has ~250) and would
+        cost ~100 µs a call. The fast path compares the raw values with those last seen to match (a tuple compare,
+        identity first); only when that differs are the values described and compared."""
+        picked = [i for i, source in enumerate(self.sources) if source.startswith("G[")]
+        if not picked:
+            return _always
+        sources = [self.sources[i] for i in picked]
+        raw = _evaluator(self.self_name, sources, described=False)
+        described = _evaluator(self.self_name, sources)
+        expected = tuple(self.expected[i] for i in picked)
+        seen: list[Any] = [None]
+
+        def check() -> bool:
+            try:
+                values = raw(f_globals, module)
+                if values == seen[0]:
+                    return True
+                if described(f_globals, module) != expected:
+                    return False
+            except Exception:  # a global or attribute that is gone: not the traced value
+                return False
+            seen[0] = values
+            return True
+
+        return check
+
+    def mismatch(self, f_globals: dict[str, Any], module: Any) -> str | None:
+        """The first value that differs, described for a warning; None when all match."""
+        for source, want in zip(self.sources, self.expected, strict=True):
+            try:
+                got = _evaluator(self.self_name, (source,))(f_globals, module)[0]
+            except Exception as exc:
+                return f"{source} cannot be read now ({type(exc).__name__}), was {_show(want)}"
+            if got != want:
+                return f"{source} is {_show(got)}, was {_show(want)} when compiled"
+        return None
+
+
+def _always() -> bool:
+    return True
+
+
+def _show(desc: Any) -> str:
+    if desc[0] == "function":
+        return f"function {desc[1]}.{desc[2]}"
+    if desc[0] in ("tuple", "list", "set", "frozenset"):
+        return f"{desc[0]} of {len(desc[1])}"
+    return repr(desc[1])[:60]
+
+
+def _evaluator(
+    self_name: str, sources: Sequence[str], described: bool = True
+) -> Callable[[dict[str, Any], Any], Any]:
+    """``lambda G, <self_name>: (describe(<source>), ...)`` compiled once (without
+    ``describe``: the raw values)."""
+    body = ", ".join(f"___describe({s})" if described else s for s in sources)
+    code = compile(f"lambda G, {self_name}: ({body},)", "<npugraph_cache value guards>", "eval")
+    namespace = {"___describe": describe, "__builtins__": builtins}
+    fn: Callable[[dict[str, Any], Any], Any] = eval(code, namespace)  # our own sources
+    return fn
