@@ -16,6 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 from npugraph_runtime import _compat
 from npugraph_runtime._compat import TorchDispatchMode
+from npugraph_runtime.devices.cpu_collectives import InFlight, is_collective, is_wait
 from npugraph_runtime.devices.cpu_kernels import (
     Candidate,
     Kind,
@@ -232,6 +233,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
         self._storage_ix: dict[int, int] = {}
         self._snapshots: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
         self.host_reads = HostReads(self)
+        self.in_flight = InFlight()
 
     # --- bookkeeping ---------------------------------------------------------------------------
     def _ref(self, t: torch.Tensor, index: int, produced: bool = False) -> int:
@@ -324,6 +326,24 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
             except NpugraphError as e:
                 self.fail(e)
                 raise
+
+    def _track_collective(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        index: int,
+        fresh: tuple[tuple[tuple[int, ...], TRef], ...],
+        written: list[torch.Tensor],
+        in_storages: set[int | None],
+    ) -> None:
+        """A collective's inputs live in the pool plan until its wait (see cpu_collectives)."""
+        if is_collective(func):
+            writes = {self.tensors[r.i].storage for _, r in fresh}
+            writes |= {s for s in map(self._storage_of, written) if s is not None}
+            self.in_flight.issued(writes, {s for s in in_storages if s is not None})
+        elif is_wait(func) and args and isinstance(args[0], torch.Tensor):
+            for s in self.in_flight.waited(self._storage_of(args[0])):
+                self.storages[s].last = max(self.storages[s].last, index)
 
     def _unsafe_reason(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         name = overload_name(func)
@@ -430,6 +450,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
             else:
                 step.kind = Kind.AS_IS
                 step.outs = fresh
+        elif is_wait(func):
+            step.kind = Kind.COLLECTIVE_WAIT  # returns its argument, yet must be re-issued
         elif func.namespace == "_c10d_functional" and fresh:
             step.kind, step.outs = Kind.COLLECTIVE, fresh
         elif not fresh and func.namespace not in _TRUSTED_SCHEMAS:
@@ -451,6 +473,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
                 # overlapping outputs, so only compute-and-copy fits
                 step.candidates = [c for c in step.candidates if c.kind is Kind.COPY]
         self.steps.append(step)
+        if reason is None:
+            self._track_collective(func, args, index, fresh, written, in_storages)
 
         if step.kind is not Kind.SKIP and not self.hazard_reported:
             writes = {self.tensors[r.i].storage for _, r in fresh}
