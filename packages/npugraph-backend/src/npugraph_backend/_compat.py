@@ -338,6 +338,7 @@ def resolve_process_group(group_name: str) -> Any:
 
     if not dist.is_available():
         return None
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed import distributed_c10d
 
-    return _resolve_process_group(group_name)
+    resolve: Callable[[str], Any] = distributed_c10d._resolve_process_group  # type: ignore[attr-defined,assignment]
+    return resolve(group_name)
