@@ -17,6 +17,7 @@ import socket
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -216,31 +217,40 @@ def _counters() -> dict[str, int]:
     return dict(torch._dynamo.utils.counters["npugraph_ex"])
 
 
-def run_rank(rank: int, world: int, port: int, tokens: int, out: str, threads: int = 1,
-             timeout_s: float = 60) -> None:
-    """One rank: decode eagerly and compiled with the backend; the result goes to ``out``."""
+def _decode(rank: int, world: int, tokens: int) -> dict[str, Any]:
+    full = build()
+    model = LlamaTP.shard(full, rank, world).eval()
+    ids = prompt(full.cfg)
+    eager_tokens, eager_s = greedy(model, model, ids, tokens)
+    compiled = torch.compile(model, backend=BACKEND, fullgraph=True, dynamic=False)
+    ours_tokens, ours_s = greedy(model, compiled, ids, tokens)
+    counters = _counters()
+    return {
+        "eager_tokens": eager_tokens, "tokens": ours_tokens,
+        "captured": sum(v for k, v in counters.items() if k.startswith("captured_")),
+        "fallbacks": sum(v for k, v in counters.items() if k.startswith("eager_fallback")),
+        "eager_ms": 1e3 * statistics.median(eager_s[SKIP_STEPS:]),
+        "ours_ms": 1e3 * statistics.median(ours_s[SKIP_STEPS:]),
+    }
+
+
+def as_rank(rank: int, world: int, port: int, out: str, threads: int, timeout_s: float,
+            work: Callable[[], dict[str, Any]]) -> None:
+    """Join the gloo group on 127.0.0.1, run ``work``, write its result (or error) to ``out``."""
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=timeout_s))
     try:
-        full = build()
-        model = LlamaTP.shard(full, rank, world).eval()
-        ids = prompt(full.cfg)
-        eager_tokens, eager_s = greedy(model, model, ids, tokens)
-        compiled = torch.compile(model, backend=BACKEND, fullgraph=True, dynamic=False)
-        ours_tokens, ours_s = greedy(model, compiled, ids, tokens)
-        counters = _counters()
-        result: dict[str, Any] = {
-            "rank": rank, "eager_tokens": eager_tokens, "tokens": ours_tokens,
-            "captured": sum(v for k, v in counters.items() if k.startswith("captured_")),
-            "fallbacks": sum(v for k, v in counters.items() if k.startswith("eager_fallback")),
-            "eager_ms": 1e3 * statistics.median(eager_s[SKIP_STEPS:]),
-            "ours_ms": 1e3 * statistics.median(ours_s[SKIP_STEPS:]),
-        }
+        result = {"rank": rank, **work()}
     except Exception as exc:  # reported by the parent, which exits non-zero
         result = {"rank": rank, "error": f"{type(exc).__name__}: {exc}"}
     Path(out).write_text(json.dumps(result))
     dist.destroy_process_group()
+
+
+def run_rank(rank: int, world: int, port: int, out: str, tokens: int, threads: int = 1) -> None:
+    """One rank of the decode: eagerly, then compiled with the backend."""
+    as_rank(rank, world, port, out, threads, 60, lambda: _decode(rank, world, tokens))
 
 
 def _port() -> int:
@@ -249,17 +259,24 @@ def _port() -> int:
         return int(s.getsockname()[1])
 
 
-def _spawned(index: int, world: int, port: int, tokens: int, folder: str, threads: int) -> None:
-    run_rank(index, world, port, tokens, os.path.join(folder, f"rank{index}.json"), threads)
+def _spawned(index: int, target: Callable[..., None], world: int, port: int, folder: str,
+             args: tuple[Any, ...]) -> None:
+    target(index, world, port, os.path.join(folder, f"rank{index}.json"), *args)
 
 
-def spawn(world: int = 2, tokens: int = 16, threads: int = 1, join_s: float = 120) -> list[dict[str, Any]]:
-    """Run ``world`` gloo ranks on 127.0.0.1 (spawned processes); their results, by rank."""
+def spawn(world: int = 2, tokens: int = 16, threads: int = 1, join_s: float = 120,
+          target: Callable[..., None] | None = None, args: tuple[Any, ...] | None = None,
+          ) -> list[dict[str, Any]]:
+    """Run ``world`` gloo ranks on 127.0.0.1 (spawned processes); their results, by rank.
+    ``target(rank, world, port, out, *args)`` (module level, so a spawned process finds it) is
+    one rank; the default is the decode (``run_rank``)."""
     from torch.multiprocessing.spawn import start_processes
 
+    if target is None:
+        target, args = run_rank, (tokens, threads)
     with tempfile.TemporaryDirectory(prefix="npugraph_tp_") as folder:
         ctx = start_processes(  # type: ignore[no-untyped-call]
-            _spawned, args=(world, _port(), tokens, folder, threads),
+            _spawned, args=(target, world, _port(), folder, args or ()),
             nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + join_s
         while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):

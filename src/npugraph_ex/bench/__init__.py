@@ -3,7 +3,7 @@
 Sections (select with ``--only a,c``): (a) replay-path host overhead, (b) runtime replay vs the
 FX GraphModule vs eager, (c) decode-step latency per compiler, (d) compile and warm-start time
 with and without cache_compile, (e) pool sharing, (f) the passes' effect, (g) overhead with
-logging disabled and no profiler. Writes ``bench.json`` and ``bench.png`` into ``--out``."""
+logging disabled and no profiler, (h) a 2-rank tensor-parallel decode step on the CPU. Writes ``bench.json`` and ``bench.png`` into ``--out``."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "e": ("npugraph_ex.bench.pools", "run"),
     "f": ("npugraph_ex.bench.passes", "run"),
     "g": ("npugraph_ex.bench.overhead", "run_quiet"),
+    "h": ("npugraph_ex.bench.tp_decode", "run"),
 }
 TITLES = {
     "a": "replay-path host overhead",
@@ -38,6 +39,7 @@ TITLES = {
     "e": "pool sharing across 8 batch sizes",
     "f": "the passes' effect on the Llama decode graph",
     "g": "overhead with logging disabled and no profiler",
+    "h": "2-rank tensor-parallel decode step (CPU, gloo)",
 }
 
 
