@@ -227,14 +227,21 @@ def collectives(rank: int) -> dict[str, Any]:
 
 
 def fault(rank: int, how: str) -> dict[str, Any]:
-    """Rank 1 goes away after 3 replays (exits, or stops calling); rank 0 keeps calling."""
+    """Rank 1 goes away (exits, or stops calling) after 5 replays, or, for "capture_timeout",
+    after the eager warm-up run of rank 0's first call, so that rank 0's capture times out."""
     group = dist.group.WORLD
-    compiled = torch.compile(lambda x: fc.all_reduce(x * 2, "sum", group) + 1,
-                             backend="npugraph_ex", fullgraph=True)
-    for _ in range(5):
-        compiled(torch.ones(4))
-    dist.barrier()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return fc.all_reduce(x * 2, "sum", group) + 1
+
+    compiled = torch.compile(fn, backend="npugraph_ex", fullgraph=True)
+    if how != "capture_timeout":
+        for _ in range(5):
+            compiled(torch.ones(4))
+        dist.barrier()
     if rank == 1:
+        if how == "capture_timeout":
+            fn(torch.ones(4))  # the collective of rank 0's warm-up run, then silence
         if how == "dead_peer":
             os._exit(0)
         time.sleep(FAULT_TIMEOUT_S * 3)
@@ -245,7 +252,8 @@ def fault(rank: int, how: str) -> dict[str, Any]:
             compiled(torch.ones(4))
     except Exception as e:  # the test inspects the type and message
         return {"error": type(e).__name__, "message": str(e)[:300],
-                "seconds": time.monotonic() - start, "captured": _counters()}
+                "seconds": time.monotonic() - start,
+                "captured": sum(v for k, v in _counters().items() if k.startswith("captured_"))}
     return {"error": None, "seconds": time.monotonic() - start}
 
 

@@ -106,8 +106,10 @@ def test_graph_called_under_another_process_group_is_refused(suite: list[dict[st
         assert "process group '0'" in r["message"] and "Compile again" in r["message"]
 
 
-@pytest.mark.parametrize("how", ["dead_peer", "timeout"])
-def test_lost_peer_during_replay_is_an_error_not_a_hang(tmp_path: Path, how: str) -> None:
+@pytest.mark.parametrize(("how", "captured"), [("dead_peer", 1), ("timeout", 1),
+                                               ("capture_timeout", 0)])
+def test_lost_peer_during_capture_or_replay_is_an_error_not_a_hang(
+        tmp_path: Path, how: str, captured: int) -> None:
     start = time.monotonic()
     (proc0, out0), (proc1, _) = _start(how, tmp_path)
     try:
@@ -116,5 +118,6 @@ def test_lost_peer_during_replay_is_an_error_not_a_hang(tmp_path: Path, how: str
         proc1.kill()
         proc1.communicate()
     assert r["error"] is not None, r
+    assert r["captured"] == captured, r  # 1: failed in a replay; 0: the capture failed
     assert r["seconds"] < 5 * 3, r  # within a few process-group timeouts (5 s)
     assert time.monotonic() - start < FAULT_WAIT_S
