@@ -1,0 +1,116 @@
+"""Collectives in a hand-captured CPU graph (one gloo rank on 127.0.0.1, in this process): a
+replay issues each collective where the capture did and waits where the capture waited. The
+2-rank behaviour (skewed ranks, every collective, faults) is tested with the backend in
+packages/npugraph-backend/tests/test_distributed.py."""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import npugraph_runtime as ngr
+import pytest
+import torch
+import torch.distributed as dist
+from npugraph_runtime import _compat
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+F = torch.ops._c10d_functional if dist.is_available() else None
+
+
+@pytest.fixture(scope="module")
+def group() -> Iterator[str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=30))
+    yield dist.group.WORLD.group_name
+    dist.destroy_process_group()
+
+
+def capture(fn: Callable[..., Any], *args: Any) -> tuple[Any, Any]:
+    g = ngr.Graph("cpu")
+    with torch.no_grad(), ngr.graph(g):
+        out = fn(*args)
+    return g, out
+
+
+def _ops(g: Any) -> list[str]:
+    """The replay's lines, each called name replaced by the op or method it is bound to (the
+    generated function binds its objects as default arguments)."""
+    replay = g._replay
+    code = replay.__code__
+    bound = dict(zip(code.co_varnames[:code.co_argcount], replay.__defaults__, strict=True))
+
+    ops = {id(_compat.op_entry(getattr(F, n).default)): n
+           for n in ("all_reduce_", "all_reduce", "all_gather_into_tensor", "wait_tensor")}
+
+    def show(name: str) -> str:
+        obj = bound.get(name)
+        if id(obj) in ops:
+            return ops[id(obj)]
+        return str(getattr(obj, "__name__", name)) if obj is not None else name
+
+    lines = [line.strip() for line in g.replay_source().splitlines()[2:]]
+    out = []
+    for line in lines:
+        head, _, rest = line.partition("(")
+        target, eq, call = head.rpartition(" = ")
+        out.append((f"{target} = " if eq else "") + show(call or head) + "(" + rest)
+    return out
+
+
+def test_inplace_collective_is_waited_where_the_graph_waits(group: str) -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        F.all_reduce_(y, "sum", group)
+        F.wait_tensor(y)
+        return y + 1
+
+    x = torch.randn(3, 4, 5)
+    g, out = capture(fn, x)
+    # wait_tensor returns its argument, so it once was dropped as a view: the next op then
+    # read a collective still in flight
+    ops = [line.split("(")[0] for line in _ops(g)]
+    assert ops == ["mul", "all_reduce_", "wait_tensor", "add"], _ops(g)
+    for _ in range(5):
+        x.copy_(torch.randn(3, 4, 5))
+        g.replay()
+        assert torch.equal(out, fn(x))
+
+
+def test_functional_result_lands_at_its_wait(group: str) -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        gathered = F.all_gather_into_tensor(x * 3, 1, group)
+        other = x.sin()  # runs while the collective is in flight
+        return F.wait_tensor(gathered) + other
+
+    x = torch.randn(2, 3)
+    g, out = capture(fn, x)
+    # issued where the capture issued it, its result copied into place at the wait
+    ops = _ops(g)
+    assert [o.split("(")[0] for o in ops] == [
+        "mul", "c0 = all_gather_into_tensor", "sin", "wait_tensor", "copy_", "add"], ops
+    assert ops[3] == "wait_tensor(c0)" and ops[4] == "copy_(c0)"
+    for _ in range(5):
+        x.copy_(torch.randn(2, 3))
+        g.replay()
+        assert torch.equal(out, fn(x))
+
+
+def test_functional_collective_never_waited_is_waited_before_the_replay_returns(group: str) -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return F.all_reduce(x + 1, "sum", group)
+
+    x = torch.randn(4)
+    g, out = capture(fn, x)
+    F.wait_tensor(out)  # the capture's own run of the collective
+    assert _ops(g)[-2:] == ["wait_tensor(c0)", "copy_(c0)"], _ops(g)
+    for _ in range(5):
+        x.copy_(torch.randn(4))
+        g.replay()
+        assert torch.equal(out, x + 1)
