@@ -187,10 +187,12 @@ def aot_inference_graph(fn: Callable[..., Any], example_inputs: Any) -> tuple[to
 # The graph our backend receives through torch.compile: dynamo, then aot_module_simplified with
 # keep_inference_input_mutations=True (node.meta["stack_trace"] holds the user's lines).
 # torch._functorch.aot_autograd.aot_module_simplified and torch._dynamo.reset, checked on 2.13.0.
-def compiled_inference_graphs(fn: Callable[..., Any], example_inputs: Any) -> list[tuple[torch.fx.GraphModule, list[Any]]]:
+def compiled_inference_graphs(fn: Callable[..., Any], example_inputs: Any,
+                              dynamic: bool | None = None) -> list[tuple[torch.fx.GraphModule, list[Any]]]:
     """Every AOT forward graph torch.compile makes of ``fn(*example_inputs)`` (run once, under
     no_grad, on clones of the inputs), each with the real tensors its placeholders stand for
-    (parameters, buffers and inputs as dynamo passed them; AOT's fake ones when they differ)."""
+    (parameters, buffers and inputs as dynamo passed them; AOT's fake ones when they differ).
+    ``dynamic`` is torch.compile's (True: symbolic sizes)."""
     import torch._dynamo
     from torch._functorch.aot_autograd import aot_module_simplified
 
@@ -210,7 +212,7 @@ def compiled_inference_graphs(fn: Callable[..., Any], example_inputs: Any) -> li
     torch._dynamo.reset()
     clones = [a.clone() if isinstance(a, torch.Tensor) else a for a in example_inputs]
     with torch.no_grad():
-        torch.compile(fn, backend=backend, fullgraph=True)(*clones)
+        torch.compile(fn, backend=backend, fullgraph=True, dynamic=dynamic)(*clones)
     return captured
 
 
@@ -265,3 +267,12 @@ def _schema_default(node: torch.fx.Node, name: str) -> tuple[bool, Any]:
         if arg.name == name:
             return (True, arg.default_value) if arg.has_default_value() else (False, None)
     return False, None
+
+
+# Namespace and bare name of a dispatcher op (``_c10d_functional``, ``all_reduce_``), from
+# OpOverload.namespace and the schema name; how the passes recognise collectives, since torch
+# has no collective tag (torch.Tag on 2.13.0 has none). Checked on 2.13.0 (stable since 2.0).
+def op_namespace_and_name(op: object) -> tuple[str, str] | None:
+    if not isinstance(op, OpOverload):
+        return None
+    return str(op.namespace), str(op._schema.name.split("::")[-1])

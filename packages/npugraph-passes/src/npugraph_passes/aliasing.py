@@ -21,6 +21,7 @@ import torch
 import torch.fx
 
 from npugraph_passes._compat import OpOverload
+from npugraph_passes.collectives import is_unannotated_collective
 
 
 def _arg_value(node: torch.fx.Node, index: int, arg: object) -> object:
@@ -97,10 +98,13 @@ def node_storage(node: object) -> int | None:
 
 def written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The argument nodes an op writes into (schema alias annotations with ``!``: in-place
-    ``self``, ``out=``, mutable arguments of custom ops)."""
+    ``self``, ``out=``, mutable arguments of custom ops). The legacy ``c10d`` collectives write
+    their tensors without saying so in their schemas: every tensor argument counts as written."""
     target = node.target
     if node.op != "call_function" or not isinstance(target, OpOverload):
         return []
+    if is_unannotated_collective(node):
+        return list(node.all_input_nodes)
     written: list[torch.fx.Node] = []
     for i, arg in enumerate(target._schema.arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:

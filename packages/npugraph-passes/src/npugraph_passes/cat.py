@@ -9,7 +9,8 @@ Applies when: at least two inputs, each a fresh result (no graph input, no view,
 once and only by this cat) of an op with an ``out=`` overload of the same arguments; the same
 dtype and device as the output; equal sizes on every other dimension; static sizes along
 ``dim``; the slices along ``dim`` are contiguous blocks of the output (``dim`` 0, or every
-dimension before it has size 1) and the output is contiguous; all of it on one stream.
+dimension before it has size 1) and the output is contiguous; all of it on one stream; no input
+is a collective or its wait (their results stay where torch.distributed puts them).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 import torch.fx
 
 from npugraph_passes.aliasing import alias_base, node_storage
+from npugraph_passes.collectives import is_ordering_point
 from npugraph_passes.out_variants import out_overload
 from npugraph_passes.stream_safety import StreamMap
 
@@ -62,7 +64,7 @@ def _plan(node: torch.fx.Node, streams: StreamMap, storage_count: dict[int, int]
     sizes: list[int] = []
     for inp in inputs:
         val = _val(inp)
-        if not isinstance(inp, torch.fx.Node) or val is None or inp.op != "call_function":
+        if not isinstance(inp, torch.fx.Node) or val is None or inp.op != "call_function" or is_ordering_point(inp):
             return None
         if out_overload(inp.target) is None or "out" in inp.kwargs or alias_base(inp) is not None:
             return None

@@ -2,7 +2,9 @@
 
 Patterns are traced with no decompositions (the graph we match is ATen IR as AOT produced it),
 registered into one :class:`PatternMatcherPass` that belongs to npugraph-ex (never inductor's),
-and applied by :func:`pattern_fusion_pass`. Built-in rules pay off on any device: ``mm + add``
+and applied by :func:`pattern_fusion_pass`. A match is refused when it contains a collective or
+its wait, or spans one (the replacement is computed at one point, which would move the matched
+reads and writes across it). Built-in rules pay off on any device: ``mm + add``
 -> ``addmm`` and ``bmm + add`` -> ``baddbmm`` (one kernel, no temporary). Ascend rules
 (``npu_patterns.py``) are registered only when torch_npu provides their ops. Every rule also
 requires the matched nodes to run on one stream.
@@ -20,6 +22,7 @@ import torch.fx
 
 from npugraph_passes import _compat
 from npugraph_passes.cleanup import dead_code_elimination
+from npugraph_passes.collectives import is_ordering_point
 from npugraph_passes.identity import combine, source_digest
 from npugraph_passes.stream_safety import StreamMap
 
@@ -45,6 +48,24 @@ def _one_stream(match: Any) -> bool:
         return True
     labels = {streams.label.get(n) for n in match.nodes if n.op == "call_function"}
     return len(labels) <= 1
+
+
+def _not_across_collectives(match: Any) -> bool:
+    if not getattr(_state, "collectives", False):
+        return True
+    nodes = [n for n in match.nodes if n.op == "call_function"]
+    if not nodes:
+        return True
+    position = {n: i for i, n in enumerate(nodes[0].graph.nodes)}
+    first = min(nodes, key=lambda n: position[n])
+    last = max(nodes, key=lambda n: position[n])
+    node: torch.fx.Node = first
+    while True:
+        if is_ordering_point(node):
+            return False
+        if node is last:
+            return True
+        node = node.next
 
 
 def _always(match: Any) -> bool:
@@ -99,7 +120,7 @@ def _register(
         # a match that would lose one is refused.
         if _compat.match_drops_kwargs(match):
             return False
-        return _one_stream(match) and bool(extra_check(match))
+        return _one_stream(match) and _not_across_collectives(match) and bool(extra_check(match))
 
     with _lock:
         _compat.inductor_register_replacement(
@@ -204,10 +225,12 @@ def pattern_fusion_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     """Applies every registered rule (built-in and ``register_replacement``) to ``gm``."""
     ensure_builtin_patterns()
     _state.streams = StreamMap(gm.graph)
+    _state.collectives = any(is_ordering_point(n) for n in gm.graph.nodes)
     try:
         count = pattern_pass().apply(gm)
     finally:
         _state.streams = None
+        _state.collectives = False
     if count:
         _fill_missing_vals(gm.graph)
         dead_code_elimination(gm, example_inputs, config)

@@ -13,9 +13,12 @@ updated with ``index_copy_`` is copied whole every step. Two passes undo that:
   ``copy_(p, f(...))`` where ``f`` has an ``out=`` variant (``f(..., out=p)``), and custom ops
   with mutable arguments (``auto_functionalized``: no clone of what may be written directly).
 
-Both refuse when the old value is read afterwards (through any alias), when the shapes or
-dtypes differ (broadcasting, type promotion), when the written tensor overlaps itself or
-another argument, and when a node on another stream uses the tensor with no event between.
+Both refuse when the old value is read afterwards (through any alias), when the shapes,
+strides or dtypes differ (broadcasting, type promotion, another layout), when the written tensor
+may overlap itself (:mod:`npugraph_passes.overlap`) or another argument, when a node on another
+stream uses the tensor with no event between, and when a collective reads or writes the tensor
+(its inputs, its result, what its wait returns). Collectives and their waits are never rewritten: a
+functional collective stays functional (:mod:`npugraph_passes.collectives`).
 """
 
 from __future__ import annotations
@@ -30,8 +33,10 @@ import torch.fx
 
 from npugraph_passes import _compat
 from npugraph_passes.aliasing import alias_base, node_storage, written_args
+from npugraph_passes.collectives import CollectiveMemory, is_ordering_point
 from npugraph_passes.noop import same_meta
 from npugraph_passes.out_variants import out_overload
+from npugraph_passes.overlap import may_self_overlap
 from npugraph_passes.stream_safety import StreamMap
 
 aten = torch.ops.aten
@@ -67,10 +72,6 @@ def _meta_values(args: Any) -> Any:
     return torch.fx.node.map_arg(args, lambda n: n.meta.get("val"))
 
 
-def _self_overlaps(t: torch.Tensor) -> bool:
-    return any(st == 0 and sz != 1 for sz, st in zip(t.shape, t.stride(), strict=True))
-
-
 class _Analysis:
     """Positions, storages and alias groups of one graph, kept up to date by the rewrites."""
 
@@ -90,6 +91,11 @@ class _Analysis:
                 self.group[key].add(node)
                 if node.op in ("placeholder", "get_attr"):
                     self.input_storages.add(key)
+        self.collectives = CollectiveMemory(graph, lambda n: self.storage.get(n))
+
+    def collective_memory(self, target: torch.fx.Node) -> bool:
+        """A collective reads or writes ``target``'s memory: no rewrite may write into it."""
+        return self.collectives.touches(self.storage.get(target))
 
     def aliases(self, node: torch.fx.Node) -> set[torch.fx.Node]:
         key = self.storage.get(node)
@@ -174,16 +180,47 @@ def _refresh_views(root: torch.fx.Node, an: _Analysis) -> None:
         todo.extend(u for u in view.users if u.target in _VIEW_TARGETS)
 
 
+def _written_view(node: torch.fx.Node, buf: torch.Tensor) -> torch.Tensor | None:
+    """The part of ``buf`` a ``*_scatter`` node writes (``buf`` itself for other ops); None when
+    it cannot be computed."""
+    if node.target not in SCATTER_VIEWS:
+        return buf
+    try:
+        view: torch.Tensor = SCATTER_VIEWS[node.target](buf, *_meta_values(node.args[2:]),
+                                                        **_meta_values(node.kwargs))
+    except Exception:
+        return None
+    return view
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal strides where they matter: a dimension of size 1 places no element by its stride."""
+    for size, sa, sb in zip(a.shape, a.stride(), b.stride(), strict=True):
+        if _compat.statically_known_true(size == 1):
+            continue
+        if not _compat.statically_known_true(sa == sb):
+            return False
+    return True
+
+
 def _fits_in_place(node: torch.fx.Node, dst: torch.fx.Node) -> bool:
+    """``node``'s result may live in ``dst``: same shape, strides (a later ``as_strided`` or
+    ``view`` reads the layout), dtype and device, and every element written has memory of its
+    own (no write into an ``expand``/``unfold``/``as_strided`` whose elements overlap)."""
     out, buf = _val(node), _val(dst)
     if out is None or buf is None:
         return False
-    return (
+    if not (
         _compat.statically_known_true(_compat.sym_eq(out.shape, buf.shape))
         and out.dtype == buf.dtype
         and out.device == buf.device
-        and not _self_overlaps(buf)
-    )
+        and not may_self_overlap(buf)
+    ):
+        return False
+    if not _same_layout(out, buf):
+        return False
+    written = _written_view(node, buf)
+    return written is not None and not may_self_overlap(written)
 
 
 def _others_alias(node: torch.fx.Node, dst: torch.fx.Node, an: _Analysis, skip_first: bool = True) -> bool:
@@ -254,7 +291,7 @@ def _rewrite_in_place(node: torch.fx.Node, dst: torch.fx.Node, an: _Analysis) ->
 def _intermediate_candidate(node: torch.fx.Node, an: _Analysis) -> torch.fx.Node | None:
     if node.op != "call_function" or not isinstance(node.target, _compat.OpOverload):
         return None
-    if not node.args or not isinstance(node.args[0], torch.fx.Node):
+    if is_ordering_point(node) or not node.args or not isinstance(node.args[0], torch.fx.Node):
         return None
     if node.target not in SCATTER_VIEWS and _compat.inplace_overload(node.target) is None:
         return None
@@ -279,7 +316,7 @@ def inplace_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config
             continue
         if an.reads_after(node, dst, ignore=set()):
             continue
-        if not _streams_ok(node, dst, an):
+        if not _streams_ok(node, dst, an) or an.collective_memory(dst):
             continue
         _rewrite_in_place(node, dst, an)
 
@@ -297,6 +334,8 @@ def _input_in_place(src: torch.fx.Node, dst: torch.fx.Node, copy: torch.fx.Node,
     """``new = op(dst, ...)`` + ``copy_(dst, new)`` -> ``op_(dst, ...)``."""
     if not isinstance(src.target, _compat.OpOverload) or not src.args or src.args[0] is not dst:
         return False
+    if is_ordering_point(src):
+        return False
     if src.target not in SCATTER_VIEWS and _compat.inplace_overload(src.target) is None:
         return False
     if not _fits_in_place(src, dst) or _others_alias(src, dst, an):
@@ -308,7 +347,7 @@ def _input_in_place(src: torch.fx.Node, dst: torch.fx.Node, copy: torch.fx.Node,
         return False
     if an.written_between(dst, an.position[src], an.position[copy], ignore={copy}):
         return False
-    if not _streams_ok(src, dst, an):
+    if not _streams_ok(src, dst, an) or an.collective_memory(dst):
         return False
     return _rewrite_in_place(src, dst, an)
 
@@ -316,7 +355,7 @@ def _input_in_place(src: torch.fx.Node, dst: torch.fx.Node, copy: torch.fx.Node,
 def _input_out_variant(src: torch.fx.Node, dst: torch.fx.Node, copy: torch.fx.Node, an: _Analysis) -> bool:
     """``new = f(a, b)`` + ``copy_(dst, new)`` -> ``f.out(a, b, out=dst)`` when ``f`` has one."""
     out_op = out_overload(src.target)
-    if out_op is None or "out" in src.kwargs or alias_base(src) is not None:
+    if out_op is None or "out" in src.kwargs or alias_base(src) is not None or is_ordering_point(src):
         return False
     if not _fits_in_place(src, dst) or _others_alias(src, dst, an, skip_first=False):
         return False
@@ -327,7 +366,7 @@ def _input_out_variant(src: torch.fx.Node, dst: torch.fx.Node, copy: torch.fx.No
         return False
     if any(an.position.get(u, -1) < an.position[src] for u in src.users):
         return False
-    if not _streams_ok(src, dst, an):
+    if not _streams_ok(src, dst, an) or an.collective_memory(dst):
         return False
     src.target = out_op
     src.kwargs = {**src.kwargs, "out": dst}
@@ -404,6 +443,11 @@ def _hop_can_write(node: torch.fx.Node, base: torch.fx.Node, index: int, an: _An
         if an.written_between(base, an.position[node], an.position[epilogue], {epilogue}):
             return False
     if an.reads_after(node, base, ignore={epilogue} if epilogue is not None else set()):
+        return False
+    if an.collective_memory(base):
+        return False
+    val = _val(base)
+    if val is None or may_self_overlap(val):
         return False
     if an.streams.multi_stream and not an.streams.all_ordered(
         node, an.users_of(base) + [u for n in news for u in n.users]
