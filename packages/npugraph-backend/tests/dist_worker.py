@@ -5,7 +5,8 @@
 SUITE "collectives": every scenario below, compiled with backend="npugraph_ex", called CALLS times
 with fresh inputs while rank 1 arrives late on every call, each output compared with eager; the
 result per scenario goes to OUT_JSON. SUITE "dead_peer"/"timeout": rank 1 vanishes (exits / stops
-calling) after a few replays; rank 0 records how its next call failed and how long it took."""
+calling) after a few replays; rank 0 records how its next call failed and how long it took.
+SUITE "nccl": the captured scenarios on cuda:RANK with NCCL (CUDA graphs), needs 2 GPUs."""
 
 from __future__ import annotations
 
@@ -262,13 +263,36 @@ def _init(rank: int, port: int, timeout_s: float) -> None:
                             world_size=WORLD, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def nccl(rank: int) -> dict[str, Any]:
+    """The captured scenarios on this rank's GPU: tensors and weights are made there."""
+    torch.set_default_device(f"cuda:{rank}")
+    results: dict[str, Any] = {}
+    for name, (fn, make) in scenarios(rank).items():
+        try:
+            results[name] = run_scenario(rank, fn, make, {})
+        except Exception:
+            results[name] = {"crash": traceback.format_exc()[-1500:]}
+    return results
+
+
 def main() -> None:
     rank, port, out, suite = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)
-    timeout = 30 if suite == "collectives" else FAULT_TIMEOUT_S
-    _init(rank, port, timeout)
+    timeout = 30 if suite in ("collectives", "nccl") else FAULT_TIMEOUT_S
+    if suite == "nccl":
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=WORLD, timeout=datetime.timedelta(seconds=timeout),
+                                device_id=torch.device("cuda", rank))
+    else:
+        _init(rank, port, timeout)
     try:
-        result = collectives(rank) if suite == "collectives" else fault(rank, suite)
+        if suite == "collectives":
+            result = collectives(rank)
+        elif suite == "nccl":
+            result = nccl(rank)
+        else:
+            result = fault(rank, suite)
     except Exception:  # reported to the test, which fails with it
         result = {"crash": traceback.format_exc()}
     with open(out, "w") as f:

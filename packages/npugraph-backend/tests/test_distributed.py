@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 import torch.distributed as dist
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -121,3 +122,18 @@ def test_lost_peer_during_capture_or_replay_is_an_error_not_a_hang(
     assert r["captured"] == captured, r  # 1: failed in a replay; 0: the capture failed
     assert r["seconds"] < 5 * 3, r  # within a few process-group timeouts (5 s)
     assert time.monotonic() - start < FAULT_WAIT_S
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2
+                    or not dist.is_nccl_available(), reason="needs 2 NVIDIA GPUs and NCCL")
+def test_nccl_collectives_replay_inside_cuda_graphs(tmp_path: Path) -> None:
+    procs = _start("nccl", tmp_path)
+    for rank, (proc, out) in zip(RANKS, procs, strict=True):
+        results = _result(proc, out, WAIT_S)
+        for scenario in CAPTURED:
+            if "/" in scenario:
+                continue
+            r = results[scenario]
+            assert "crash" not in r, (rank, scenario, r["crash"])
+            assert r["captured"] == 1 and r["fallbacks"] == 0 and r["bad"] == 0, (rank, scenario, r)
