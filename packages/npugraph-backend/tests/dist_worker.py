@@ -168,6 +168,31 @@ def _send_recv(rank: int) -> dict[str, Any]:
     return run_scenario(rank, fn, lambda i: [torch.randn(3, 4) + i], {}, fullgraph=False)
 
 
+def _hand_capture(rank: int) -> dict[str, Any]:
+    """torch.distributed's own dist.all_reduce in a capture by hand (npugraph_runtime.graph):
+    its Work's wait() is no op the capture sees; every replay must still be complete."""
+    import npugraph_runtime as ngr
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        dist.all_reduce(y)
+        return y.sin() + y
+
+    static = torch.randn(64, 64)
+    g = ngr.Graph("cpu")
+    with torch.no_grad(), ngr.graph(g):
+        out = fn(static)
+    bad = 0
+    for i in range(CALLS):
+        static.copy_(torch.randn(64, 64) + rank + i)
+        _skew(rank)
+        g.replay()
+        got = out.clone()
+        _skew(rank)
+        bad += not torch.equal(got, fn(static))
+    return {"bad": bad, "calls": CALLS, "captured": 1, "fallbacks": 0}
+
+
 def _per_rank_dumps(rank: int) -> dict[str, Any]:
     """data dump folders named by world size and rank, filled from the process group."""
     root = tempfile.mkdtemp(prefix=f"npugraph_dump_r{rank}_")
@@ -217,7 +242,8 @@ def collectives(rank: int) -> dict[str, Any]:
     runs += [("dist_broadcast", lambda: run_scenario(
                  rank, dist_broadcast, lambda i: [torch.randn(3, 4, 5) + rank + i], {},
                  fullgraph=False)),
-             ("send_recv", lambda: _send_recv(rank)), ("dumps", lambda: _per_rank_dumps(rank)),
+             ("send_recv", lambda: _send_recv(rank)),
+             ("hand_capture_dist_all_reduce", lambda: _hand_capture(rank)), ("dumps", lambda: _per_rank_dumps(rank)),
              ("changed_group", lambda: _changed_group(rank))]
     for name, run in runs:
         try:

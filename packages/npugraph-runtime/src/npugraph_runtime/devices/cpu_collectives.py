@@ -14,11 +14,16 @@ flight. Two forms reach a capture:
   at the graph's wait (a graph reads a collective's result only after waiting on it).
 
 The inputs a collective reads (gloo reads them on its own thread) stay alive and untouched until
-its wait: the recorder extends their lifetime in the pool plan to the wait."""
+its wait: the recorder extends their lifetime in the pool plan to the wait.
+
+``torch.distributed``'s own calls in a hand capture (``dist.all_reduce``) dispatch ``c10d::*`` ops
+that return a ``Work``; the user's ``work.wait()`` is no ATen op, so the recorder never sees it:
+a replay waits on the Work as soon as the op returns (never later than the user did)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import cache
 from typing import Any
 
 from npugraph_runtime import _compat
@@ -33,6 +38,17 @@ def is_wait(func: Any) -> bool:
 
 def is_collective(func: Any) -> bool:
     return func.namespace in _NAMESPACES and _compat.op_base_name(func) != _WAIT
+
+
+@cache
+def work_path(func: Any) -> str | None:
+    """Where the ``Work`` is in the result of a ``c10d::*`` op ("" or "[i]"), None if it has
+    none (functional collectives return tensors only)."""
+    returns = _compat.op_schema(func).returns
+    for i, ret in enumerate(returns):
+        if "Work" in str(ret.type):
+            return "" if len(returns) == 1 else f"[{i}]"
+    return None
 
 
 class InFlight:
@@ -73,6 +89,10 @@ class Emitter:
             where = local + "".join(f"[{i}]" for i in path)
             self._pending[self._tensors[ref.i].storage] = (where, ref)
         return [f"{local} = {call}"]
+
+    def issue_and_wait(self, call: str, path: str) -> list[str]:
+        """A ``c10d::*`` op: issue it and wait on its Work at once (see the module docstring)."""
+        return [f"r = {call}", f"r{path}.wait()"]
 
     def _land(self, where: str, ref: Any) -> list[str]:
         copy = self._names.bind(self._res.tensor(ref).copy_)

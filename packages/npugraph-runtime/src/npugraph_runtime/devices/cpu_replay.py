@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from npugraph_runtime import _compat
-from npugraph_runtime.devices.cpu_collectives import Emitter
+from npugraph_runtime.devices.cpu_collectives import Emitter, work_path
 from npugraph_runtime.devices.cpu_kernels import Kind, cheapest
 from npugraph_runtime.devices.cpu_recorder import Step, TensorEntry, TRef
 
@@ -167,6 +167,11 @@ def generate(
             call = f"{entry}({_call_args(names, args, kwargs)})"
             if kind is Kind.COLLECTIVE:
                 lines.extend(collectives.collective(call, step_outs))
+                continue
+            work = work_path(step.func)
+            if work is not None:
+                lines.extend(collectives.issue_and_wait(call, work))
+                lines.extend(f"{names.bind(res.tensor(ref).copy_)}(r{_path(p)})" for p, ref in step_outs)
                 continue
             if not step_outs:
                 lines.append(call)
