@@ -114,3 +114,22 @@ def test_functional_collective_never_waited_is_waited_before_the_replay_returns(
         x.copy_(torch.randn(4))
         g.replay()
         assert torch.equal(out, x + 1)
+
+
+def test_dist_collective_waits_on_its_work_at_replay(group: str) -> None:
+    # dist.all_reduce dispatches c10d::allreduce_, which returns a Work; the user's wait() on it
+    # is no op the capture sees, so the replay waits right after issuing it
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        dist.all_reduce(y)
+        return y + 1
+
+    x = torch.randn(3, 4)
+    g, out = capture(fn, x)
+    ops = _ops(g)
+    issued = next(i for i, o in enumerate(ops) if o.startswith("r = "))
+    assert ops[issued + 1] == "r[1].wait()", ops
+    for _ in range(5):
+        x.copy_(torch.randn(3, 4))
+        g.replay()
+        assert torch.equal(out, x * 2 + 1)
