@@ -38,26 +38,32 @@ def group_names(gm: torch.fx.GraphModule) -> tuple[str, ...]:
 
 
 def guard(fn: Callable[..., Any], gm: torch.fx.GraphModule, graph: str) -> Callable[..., Any]:
-    """``fn`` refusing to run once a group it was compiled with is gone or replaced."""
+    """``fn`` bound to the groups its first call (the capture) ran under, refusing to run once
+    one of them is gone or replaced. Binding at the first call, not at build, lets a graph
+    loaded from a cache bind to the groups of the process that loads it."""
     names = group_names(gm)
     if not names:
         return fn
-    groups = tuple((name, _compat.resolve_process_group(name)) for name in names)
+    bound: list[tuple[str, Any]] = []
 
     def refuse(name: str, why: str) -> ProcessGroupChangedError:
         return ProcessGroupChangedError(
-            f"{graph} was compiled and captured with process group {name!r}, which {why}: a device "
-            "graph replays its collectives on the group it captured with. Compile again under the "
-            "new group (torch._dynamo.reset() after changing process groups)"
+            f"{graph} was captured with process group {name!r}, which {why}: a device graph "
+            "replays its collectives on the group it captured with. Compile again under the new "
+            "group (torch._dynamo.reset() after changing process groups)"
         )
 
+    def resolve(name: str) -> Any:
+        try:
+            return _compat.resolve_process_group(name)
+        except (RuntimeError, ValueError):
+            raise refuse(name, "does not exist now (destroyed, or not initialised)") from None
+
     def checked(*args: Any) -> Any:
-        for name, group in groups:
-            try:
-                now = _compat.resolve_process_group(name)
-            except (RuntimeError, ValueError):
-                raise refuse(name, "no longer exists (destroyed)") from None
-            if now is not group:
+        if not bound:
+            bound.extend((name, resolve(name)) for name in names)
+        for name, group in bound:
+            if resolve(name) is not group:
                 raise refuse(name, "was destroyed and another group now has its name")
         return fn(*args)
 
