@@ -194,14 +194,23 @@ def _hand_capture(rank: int) -> dict[str, Any]:
 
 
 def _per_rank_dumps(rank: int) -> dict[str, Any]:
-    """data dump folders named by world size and rank, filled from the process group."""
+    """Data dump folders named by world size and rank, and one debug folder per rank under
+    the shared TORCH_COMPILE_DEBUG_DIR the test gave both ranks, filled from the process group."""
     root = tempfile.mkdtemp(prefix=f"npugraph_dump_r{rank}_")
     torch._dynamo.reset()
     group = dist.group.WORLD
     compiled = torch.compile(lambda x: fc.all_reduce(x + 1, "sum", group) * 2, backend="npugraph_ex",
                              options={"dump_tensor_data": True, "data_dump_dir": root})
-    compiled(torch.ones(2, 3))
-    return {"dump_dirs": sorted(os.listdir(root))}
+    os.environ["TORCH_COMPILE_DEBUG"] = "1"  # read at each compile by the backend
+    try:
+        compiled(torch.ones(2, 3))
+    finally:
+        os.environ["TORCH_COMPILE_DEBUG"] = "0"
+    dist.barrier()  # both ranks have written their debug folders
+    runs = os.path.join(os.environ["TORCH_COMPILE_DEBUG_DIR"], "torch_compile_debug")
+    debug = [d.rsplit("-", 1)[-1] for d in sorted(os.listdir(runs))
+             if os.path.isdir(os.path.join(runs, d, "npugraph_ex"))]
+    return {"dump_dirs": sorted(os.listdir(root)), "debug_dirs": sorted(debug)}
 
 
 def _changed_group(rank: int) -> dict[str, Any]:

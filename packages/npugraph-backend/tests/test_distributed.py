@@ -35,7 +35,9 @@ def _port() -> int:
 
 
 def _start(suite: str, tmp: Path) -> list[tuple[subprocess.Popen[bytes], Path]]:
-    env = {**os.environ, "NPUGRAPH_TEST_PORT2": str(_port()), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "NPUGRAPH_TEST_PORT2": str(_port()), "OMP_NUM_THREADS": "1",
+           "TORCH_COMPILE_DEBUG_DIR": str(tmp / "debug")}
+    env.pop("TORCH_COMPILE_DEBUG", None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
     port = str(_port())
     procs = []
@@ -95,9 +97,12 @@ def test_untraced_collective_between_captured_graphs(suite: list[dict[str, Any]]
         assert r["bad"] == 0, (rank, r)
 
 
-def test_data_dump_folder_per_rank(suite: list[dict[str, Any]]) -> None:
+def test_data_dump_and_debug_folders_per_rank(suite: list[dict[str, Any]]) -> None:
     for rank, results in zip(RANKS, suite, strict=True):
+        assert "crash" not in results["dumps"], results["dumps"]["crash"]
         assert results["dumps"]["dump_dirs"] == [f"worldsize2_global_rank{rank}"]
+        # both ranks wrote into one TORCH_COMPILE_DEBUG_DIR: one run folder each, named by rank
+        assert results["dumps"]["debug_dirs"] == ["rank_0", "rank_1"]
 
 
 def test_graph_called_under_another_process_group_is_refused(suite: list[dict[str, Any]]) -> None:
