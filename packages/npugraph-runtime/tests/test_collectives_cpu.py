@@ -133,3 +133,24 @@ def test_dist_collective_waits_on_its_work_at_replay(group: str) -> None:
         x.copy_(torch.randn(3, 4))
         g.replay()
         assert torch.equal(out, x * 2 + 1)
+
+
+def test_collective_input_is_not_reused_by_the_pool_before_its_wait(group: str) -> None:
+    # gloo reads the input of an all_gather on its own thread until the wait: the intermediate
+    # computed meanwhile must not be placed in the input's bytes
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        gathered = F.all_gather_into_tensor(x * 3, 1, group)
+        other = x.sin()
+        return F.wait_tensor(gathered) + other
+
+    x = torch.randn(64, 64)
+    g, _ = capture(fn, x)
+    replay = g._replay
+    code = replay.__code__
+    bound = dict(zip(code.co_varnames[:code.co_argcount], replay.__defaults__, strict=True))
+    lines = g.replay_source().splitlines()[2:]
+    outs = [bound[line.split("out=")[1].rstrip(")")] for line in lines if "out=" in line]
+    collective_input, meanwhile = outs[0], outs[1]  # mul's out (gathered), sin's out
+    start = collective_input.data_ptr()
+    end = start + collective_input.numel() * collective_input.element_size()
+    assert not start <= meanwhile.data_ptr() < end
