@@ -51,6 +51,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None,
                    help="intra-op CPU threads (default on the CPU: 1, for stable timings)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks (gloo on 127.0.0.1, CPU); default 1: one process")
     return p
 
 
@@ -146,6 +148,10 @@ def _device(spec: str) -> torch.device:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     n = 8 if args.quick else args.tokens
+    if args.tp != 1:
+        from npugraph_ex.tp_demo import main as tp_main
+
+        return tp_main(n, args.tp, args.out, args.threads)
     if n < SKIP_STEPS + 2:
         print(f"--tokens {n}: give at least {SKIP_STEPS + 2}", file=sys.stderr)
         return 2

@@ -3,7 +3,8 @@
 Sections (select with ``--only a,c``): (a) replay-path host overhead, (b) runtime replay vs the
 FX GraphModule vs eager, (c) decode-step latency per compiler, (d) compile and warm-start time
 with and without cache_compile, (e) pool sharing, (f) the passes' effect, (g) overhead with
-logging disabled and no profiler, (h) each replay kernel against the eager op. Writes ``bench.json`` and ``bench.png`` into ``--out``."""
+logging disabled and no profiler, (h) each replay kernel against the eager op, (i) a 2-rank
+tensor-parallel decode step on the CPU. Writes ``bench.json`` and ``bench.png`` into ``--out``."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "f": ("npugraph_ex.bench.passes", "run"),
     "g": ("npugraph_ex.bench.overhead", "run_quiet"),
     "h": ("npugraph_ex.bench.kernels", "run"),
+    "i": ("npugraph_ex.bench.tp_decode", "run"),
 }
 TITLES = {
     "a": "replay-path host overhead",
@@ -40,6 +42,7 @@ TITLES = {
     "f": "the passes' effect on the Llama decode graph",
     "g": "overhead with logging disabled and no profiler",
     "h": "replay kernels vs eager ops",
+    "i": "2-rank tensor-parallel decode step (CPU, gloo)",
 }
 
 

@@ -327,3 +327,18 @@ def real_tensors() -> Any:
 
         return contextlib.nullcontext()
     return unset_fake_temporarily()
+
+
+# --- process_groups.py ------------------------------------------------------------------------------
+def resolve_process_group(group_name: str) -> Any:
+    """Checked on torch 2.13.0 and 2.11: ``distributed_c10d._resolve_process_group`` maps the
+    group name a traced collective carries to the ProcessGroup registered under it now; it raises
+    when none is. None when torch.distributed is unavailable."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return None
+    from torch.distributed import distributed_c10d
+
+    resolve: Callable[[str], Any] = distributed_c10d._resolve_process_group  # type: ignore[attr-defined,assignment]
+    return resolve(group_name)

@@ -22,7 +22,7 @@ from npugraph_runtime import CapturePolicy, InputSpec, OutputSpec
 from npugraph_runtime.callsite import warn_at_caller
 from npugraph_runtime.graphs import as_pool_handle
 
-from npugraph_backend import _compat
+from npugraph_backend import _compat, process_groups
 from npugraph_backend.config import NPU_ONLY_OPTIONS, CompilerConfig, rebuild_config
 from npugraph_backend.dfx import data_dump, ranges
 from npugraph_backend.dfx import debug as debug_dumps
@@ -178,7 +178,7 @@ class CompiledGraph:
                 fn = debug.watch(self.runner, summary)
         if self.config.dump_tensor_data:
             fn = data_dump.after_each_call(fn, self.gm)
-        self._fn = fn
+        self._fn = process_groups.guard(fn, self.gm, self.name)
 
     def __call__(self, args: list[Any]) -> Any:
         return self._fn(*args)

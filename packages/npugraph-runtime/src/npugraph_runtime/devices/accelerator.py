@@ -266,6 +266,7 @@ class AcceleratorBackend:
             "pool_sharing": True,
             "streams": True,
             "debug_dump": hasattr(graph, "debug_dump"),
+            "collectives": self.collective_backend(),
             "name": str(self.module.get_device_name(dev.index)),
         }
         props = self.module.get_device_properties(dev.index)
@@ -273,6 +274,24 @@ class AcceleratorBackend:
             if hasattr(props, attr):
                 caps[key] = int(getattr(props, attr))
         return caps
+
+    def collective_backend(self) -> str:
+        """The torch.distributed backend whose collectives a graph of this device captures
+        ("nccl", "hccl"), or "none". What they need is what the capture manager already does:
+        an eager warm-up run before the first capture creates the communicators and the P2P
+        connections (both allocate, which a capture cannot), and the capture runs on a side
+        stream. ProcessGroupNCCL keeps work issued during a capture away from its watchdog, and
+        since torch 2.7 the watchdog queries events in thread-local capture mode, so "global"
+        capture_error_mode works with NCCL (checked on torch 2.11 and 2.13). HCCL is torch_npu's,
+        registered when torch_npu is imported."""
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            return "none"
+        if self.type == "cuda":
+            return "nccl" if dist.is_nccl_available() else "none"
+        backends = getattr(dist.Backend, "backend_list", ())
+        return "hccl" if "hccl" in backends else "none"
 
     # --- streams ------------------------------------------------------------------------------
     def new_stream(self, device: torch.device) -> Any:

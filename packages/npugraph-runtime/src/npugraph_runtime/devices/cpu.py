@@ -263,6 +263,13 @@ def _place_intermediates(recorder: Recorder, pool: CpuPool) -> tuple[list[Block]
     return [p.block for p in placements], set(dead)
 
 
+def _gloo() -> str:
+    """The torch.distributed backend whose collectives a cpu graph captures (cpu_collectives)."""
+    import torch.distributed as dist
+
+    return "gloo" if dist.is_available() and dist.is_gloo_available() else "none"
+
+
 class CpuBackend:
     """DeviceBackend and StreamBackend of the CPU."""
 
@@ -291,6 +298,7 @@ class CpuBackend:
             "streams": "logical (ordering checked at capture)",
             "debug_dump": False,
             "capture_error_modes": CAPTURE_ERROR_MODES,
+            "collectives": _gloo(),
             "threads": torch.get_num_threads(),
         }
 

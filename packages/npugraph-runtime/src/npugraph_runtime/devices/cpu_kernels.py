@@ -39,7 +39,8 @@ class Kind(enum.Enum):
     COPY = "copy"  # out.copy_(op(*args))
     INPLACE_METHOD = "inplace_method"  # self.method(*args[1:])
     AS_IS = "as_is"  # op(*args) re-issued unchanged (mutating ops), fresh results copied
-    COLLECTIVE = "collective"  # r = op(*args); wait_tensor(r); out.copy_(r)
+    COLLECTIVE = "collective"  # c = op(*args), waited and copied into place at its wait
+    COLLECTIVE_WAIT = "collective_wait"  # wait_tensor where the graph waits (cpu_collectives)
     FROZEN = "frozen"  # unsafe op under "relaxed": copy the captured values back
     COPY_INTO = "copy_into"  # out.copy_(source(args)): the op's result is a copy of one input
 

@@ -16,6 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 from npugraph_runtime import _compat
 from npugraph_runtime._compat import TorchDispatchMode
+from npugraph_runtime.devices.cpu_collectives import InFlight, is_collective, is_wait
 from npugraph_runtime.devices.cpu_kernels import (
     Candidate,
     Kind,
@@ -238,6 +239,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
         # wrote each storage (a pre-existing one in place, a produced one by its producer)
         self._producer: dict[int, int] = {}
         self._last_write: dict[int, int] = {}
+        self.in_flight = InFlight()
 
     # --- bookkeeping ---------------------------------------------------------------------------
     def _ref(self, t: torch.Tensor, index: int, produced: bool = False) -> int:
@@ -388,6 +390,24 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
                 self.fail(e)
                 raise
 
+    def _track_collective(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        index: int,
+        fresh: tuple[tuple[tuple[int, ...], TRef], ...],
+        written: list[torch.Tensor],
+        in_storages: set[int | None],
+    ) -> None:
+        """A collective's inputs live in the pool plan until its wait (see cpu_collectives)."""
+        if is_collective(func):
+            writes = {self.tensors[r.i].storage for _, r in fresh}
+            writes |= {s for s in map(self._storage_of, written) if s is not None}
+            self.in_flight.issued(writes, {s for s in in_storages if s is not None})
+        elif is_wait(func) and args and isinstance(args[0], torch.Tensor):
+            for s in self.in_flight.waited(self._storage_of(args[0])):
+                self.storages[s].last = max(self.storages[s].last, index)
+
     def _unsafe_reason(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         name = overload_name(func)
         tags = func.tags
@@ -493,6 +513,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
             else:
                 step.kind = Kind.AS_IS
                 step.outs = fresh
+        elif is_wait(func):
+            step.kind = Kind.COLLECTIVE_WAIT  # returns its argument, yet must be re-issued
         elif func.namespace == "_c10d_functional" and fresh:
             step.kind, step.outs = Kind.COLLECTIVE, fresh
         elif not fresh and func.namespace not in _TRUSTED_SCHEMAS:
@@ -523,6 +545,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
             }:
                 self._last_write[si] = index
         self.steps.append(step)
+        if reason is None:
+            self._track_collective(func, args, index, fresh, written, in_storages)
 
         if step.kind is not Kind.SKIP and not self.hazard_reported:
             writes = {self.tensors[r.i].storage for _, r in fresh}

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from npugraph_runtime import _compat
+from npugraph_runtime.devices.cpu_collectives import Emitter, work_path
 from npugraph_runtime.devices.cpu_kernels import Kind, cheapest
 from npugraph_runtime.devices.cpu_recorder import Step, TensorEntry, TRef
 
@@ -138,6 +139,7 @@ def generate(
     names = _Names()
     res = _Resolver(tensors)
     lines: list[str] = []
+    collectives = Emitter(names, res, tensors)
     issued = 0
     per_op: list[tuple[Step, Kind, int]] = []  # (step, kernel, first line): for kernel audits
     for step, kind, call_obj, out_names, step_outs in _plan(steps, tensors, dead):
@@ -160,26 +162,34 @@ def generate(
         elif kind is Kind.INPLACE_METHOD:
             method = getattr(args[0], step.method)
             lines.append(f"{names.bind(method)}({_call_args(names, args[1:], kwargs)})")
+        elif kind is Kind.COLLECTIVE_WAIT:
+            lines.extend(collectives.wait(step.args))
         elif kind is Kind.FROZEN:
             for ref, saved in step.saved:
                 lines.append(f"{names.bind(res.tensor(ref).copy_)}({names.bind(saved)})")
         else:  # COPY, AS_IS, COLLECTIVE: run the op, then copy its fresh results into place
             entry = names.bind(call_obj if call_obj is not None else _compat.op_entry(step.func))
             call = f"{entry}({_call_args(names, args, kwargs)})"
+            if kind is Kind.COLLECTIVE:
+                lines.extend(collectives.collective(call, step_outs))
+                continue
+            work = work_path(step.func)
+            if work is not None:
+                lines.extend(collectives.issue_and_wait(call, work))
+                lines.extend(f"{names.bind(res.tensor(ref).copy_)}(r{_path(p)})" for p, ref in step_outs)
+                continue
             if not step_outs:
                 lines.append(call)
                 continue
-            if len(step_outs) == 1 and step_outs[0][0] == () and kind is not Kind.COLLECTIVE:
+            if len(step_outs) == 1 and step_outs[0][0] == ():
                 copy = names.bind(res.tensor(step_outs[0][1]).copy_)
                 lines.append(f"{copy}({call})")
                 continue
             lines.append(f"r = {call}")
-            if kind is Kind.COLLECTIVE:
-                wait = names.bind(_compat.wait_tensor_op())
-                lines.extend(f"{wait}(r{_path(p)})" for p, _ in step_outs)
             for p, ref in step_outs:
                 lines.append(f"{names.bind(res.tensor(ref).copy_)}(r{_path(p)})")
 
+    lines.extend(collectives.finish())
     # inference mode: no autograd work, and the graph may write tensors captured in inference mode
     names.values["inference_mode"] = _compat.inference_mode_guard()
     params = ", ".join(f"{n}={n}" for n in names.values)
