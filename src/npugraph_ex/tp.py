@@ -228,6 +228,10 @@ def _decode(rank: int, world: int, tokens: int) -> dict[str, Any]:
     return {
         "eager_tokens": eager_tokens, "tokens": ours_tokens,
         "captured": sum(v for k, v in counters.items() if k.startswith("captured_")),
+        # the loop still holds the last logits when it calls the next step: the second capture
+        # of the key keeps them valid, and the two captures alternate from then on
+        "held_output_captures": sum(v for k, v in counters.items()
+                                    if k.startswith("capture_due_to_held_outputs_")),
         "fallbacks": sum(v for k, v in counters.items() if k.startswith("eager_fallback")),
         "eager_ms": 1e3 * statistics.median(eager_s[SKIP_STEPS:]),
         "ours_ms": 1e3 * statistics.median(ours_s[SKIP_STEPS:]),

@@ -36,7 +36,8 @@ def main(tokens: int, world: int, out: str, threads: int | None) -> int:
         if r["tokens"] != want or r["eager_tokens"] != want:
             print(f"  rank {r['rank']} eager: {r['eager_tokens']}\n  rank {r['rank']} ours:  {r['tokens']}")
     print("captures per rank: " + ", ".join(
-        f"rank {r['rank']}: {r['captured']} (eager fallbacks {r['fallbacks']})" for r in ranks))
+        f"rank {r['rank']}: {r['captured']} ({r['held_output_captures']} of them for held outputs;"
+        f" eager fallbacks {r['fallbacks']})" for r in ranks))
     print(f"\nper-token latency (median of steps after the first {tp.SKIP_STEPS}):")
     for r in ranks:
         print(f"  rank {r['rank']}: eager {r['eager_ms']:8.3f} ms   npugraph_ex {r['ours_ms']:8.3f} ms"
