@@ -21,7 +21,7 @@ PACKAGES = {
     "npugraph-runtime": [],
     "npugraph-passes": ["npugraph-runtime"],
     "npugraph-cache": [],
-    "npugraph-backend": ["npugraph-runtime", "npugraph-passes", "npugraph-cache"],
+    "npugraph-backend": ["npugraph-runtime", "npugraph-passes"],
 }
 TEST_DEPS = ["pytest>=8", "hypothesis>=6.100"]
 

@@ -7,18 +7,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import npugraph_runtime as ngr
 import torch
 
 from npugraph_ex.bench.context import BenchContext, fmt_exc
 from npugraph_ex.bench.replay import TransformerStack
 from npugraph_ex.bench.report import Figure, Section
-from npugraph_ex.bench.runtime_api import HAND_CAPTURE, MANAGER, runtime
 
 BATCHES = (128, 64, 32, 16, 8, 4, 2, 1)
 TARGET = 1.3
 
 
-def _held(ngr: Any, callable_: Any) -> int:
+def _held(callable_: Any) -> int:
     """Bytes held by the distinct pools of a GraphedCallable's captures."""
     pools: dict[Any, Any] = {}
     for g in callable_.graphs.values():
@@ -27,12 +27,13 @@ def _held(ngr: Any, callable_: Any) -> int:
     return sum(int(ngr.pool_bytes(p)) for p in pools.values())
 
 
-def _capture_all(ngr: Any, model: Any, batches: tuple[int, ...], pool: str,
+def _capture_all(model: Any, batches: tuple[int, ...], pool: str,
                  device: torch.device) -> tuple[int, int, bool, int]:
     """(pool bytes, captures, every replay equal to eager, bytes of the static outputs) for
     `batches` captured into `pool`."""
     x0 = torch.randn(batches[0], 16, 64, device=device)
     fn = ngr.make_graphed_callable(model, (x0,), pool=pool, device=device)
+    got: Any
     ok = True
     with torch.no_grad():
         for b in batches:
@@ -48,17 +49,11 @@ def _capture_all(ngr: Any, model: Any, batches: tuple[int, ...], pool: str,
             ok = ok and bool(torch.allclose(got, model(x), rtol=1e-4, atol=1e-5))
             storage = got.untyped_storage()
             outputs[storage.data_ptr()] = storage.nbytes()
-    return _held(ngr, fn), int(fn.num_captures), ok, sum(outputs.values())
+    return _held(fn), int(fn.num_captures), ok, sum(outputs.values())
 
 
 def run(ctx: BenchContext) -> Section:
     sec = Section("e", "memory held by 8 batch-size captures", bar_unit="MiB held")
-    try:
-        ngr = runtime(*HAND_CAPTURE, *MANAGER)
-    except RuntimeError as exc:
-        sec.figures.append(Figure.skip("shared pool / largest single capture", fmt_exc(exc),
-                                       f"<= {TARGET}x"))
-        return sec
     torch.manual_seed(0)
     with torch.device(ctx.device):
         model = TransformerStack(2 if ctx.quick else 4).eval().requires_grad_(False)
@@ -68,7 +63,7 @@ def run(ctx: BenchContext) -> Section:
             ("shared pool, smallest first", BATCHES[::-1], "shared")]
     for label, batches, pool in ctx.steps(runs, desc="pools"):
         try:
-            held, captures, ok, out_bytes = _capture_all(ngr, model, batches, pool, ctx.device)
+            held, captures, ok, out_bytes = _capture_all(model, batches, pool, ctx.device)
         except Exception as exc:
             sec.figures.append(Figure.skip(label, f"capture failed: {fmt_exc(exc)}"))
             continue

@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import npugraph_runtime as ngr
 import torch
 from torch import nn
 
 from npugraph_ex.bench.backends import Traced, trace_aot
 from npugraph_ex.bench.context import BenchContext, fmt_exc
 from npugraph_ex.bench.report import Figure, Section
-from npugraph_ex.bench.runtime_api import HAND_CAPTURE, runtime
 from npugraph_ex.bench.timing import measure_interleaved
 from npugraph_ex.models import build_decoder, synchronize
 
@@ -78,14 +78,9 @@ def run(ctx: BenchContext) -> Section:
     ]
     if ctx.quick:
         workloads = workloads[:1]
-    try:
-        ngr = runtime(*HAND_CAPTURE)
-    except RuntimeError as exc:
-        sec.figures.append(Figure.skip("replay / GraphModule", fmt_exc(exc), f"<= {TARGET}x"))
-        ngr = None
     for label, build in ctx.steps(workloads, desc="replay"):
         eager, traced, restore = build()
-        _one(ctx, sec, label, eager, traced, ngr, restore)
+        _one(ctx, sec, label, eager, traced, restore)
     return sec
 
 
@@ -106,7 +101,7 @@ def _llama(ctx: BenchContext) -> tuple[Callable[[], Any], Traced, Callable[[], N
 
 
 def _one(ctx: BenchContext, sec: Section, label: str, eager: Callable[[], Any], traced: Traced,
-         ngr: Any, restore: Callable[[], None] | None) -> None:
+         restore: Callable[[], None] | None) -> None:
     dev = ctx.device
     prepare = restore or (lambda: None)
     prepare()
@@ -115,23 +110,22 @@ def _one(ctx: BenchContext, sec: Section, label: str, eager: Callable[[], Any], 
     fns: dict[str, Callable[[], Any]] = {"eager": eager, "GraphModule": traced}
     entry: dict[str, Any] = {"aten_ops": traced.ops()}
     same = False
-    if ngr is not None:
-        try:
-            g = ngr.Graph(dev)
-            with torch.no_grad():
-                prepare()
-                with ngr.graph(g):
-                    static_out = traced()
-                prepare()
-                g.replay()
-            synchronize(dev)
-            same = _equal(static_out, reference)
-            fns["ours: replay"] = g.replay
-            if hasattr(g, "recorded_ops"):
-                entry["recorded_ops"] = int(g.recorded_ops())
-        except Exception as exc:  # a capture failure is a finding, reported as such
-            sec.figures.append(Figure.skip(f"{label}: replay / GraphModule",
-                                           f"capture failed: {fmt_exc(exc)}", f"<= {TARGET}x"))
+    try:
+        g = ngr.Graph(dev)
+        with torch.no_grad():
+            prepare()
+            with ngr.graph(g):
+                static_out = traced()
+            prepare()
+            g.replay()
+        synchronize(dev)
+        same = _equal(static_out, reference)
+        fns["ours: replay"] = g.replay
+        if hasattr(g, "recorded_ops"):
+            entry["recorded_ops"] = int(g.recorded_ops())
+    except Exception as exc:  # a capture failure is a finding, reported as such
+        sec.figures.append(Figure.skip(f"{label}: replay / GraphModule",
+                                       f"capture failed: {fmt_exc(exc)}", f"<= {TARGET}x"))
     if dev.type == "cuda":
         prepare()
         fns["torch.cuda.CUDAGraph replay"] = _torch_cuda_graph(traced)

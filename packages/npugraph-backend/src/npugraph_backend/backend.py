@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.fx
 from npugraph_runtime.callsite import warn_at_caller
+from npugraph_runtime.counters import REQUIRES_GRAD, fallback_counter
 
 from npugraph_backend import _compat
 from npugraph_backend.compiler import (
@@ -74,7 +75,7 @@ def npugraph_ex_backend(
             "compiled model under torch.no_grad() or torch.inference_mode() to capture it.",
             EagerFallbackWarning,
         )
-        _compat.counters()["eager_fallback_due_to_requires_grad"] += 1
+        _compat.counters()[fallback_counter(REQUIRES_GRAD)] += 1
         log.info("dynamo graph runs eagerly: grad mode on, inputs %s require grad", needs_grad)
         return gm.forward
 

@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import difflib
 import hashlib
-import inspect
 import json
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
+from npugraph_passes.identity import source_digest
 from npugraph_runtime import PoolHandle
+from npugraph_runtime.devices.base import CAPTURE_ERROR_MODES, is_raw_pool_id
 
 
 class OptionError(ValueError):
@@ -64,14 +65,8 @@ def _enum(name: str, default: str, values: tuple[str, ...], doc: str) -> _Option
 
 
 def _is_pool(v: object) -> bool:
-    if v is None or isinstance(v, PoolHandle):
-        return True
-    # A device's own handle (CUDA/NPU: the allocator's (int, int) pool id).
-    return (
-        isinstance(v, tuple)
-        and len(v) == 2
-        and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
-    )
+    # A device's own handle is the allocator's (int, int) pool id (CUDA/NPU).
+    return v is None or isinstance(v, PoolHandle) or is_raw_pool_id(v)
 
 
 def _is_existing_dir(v: object) -> bool:
@@ -114,7 +109,7 @@ _OPTIONS: tuple[_Option, ...] = (
         lambda v: v is None or callable(v), error=PassOptionError,
         doc="user pass after the built-ins",
     ),
-    _enum("capture_error_mode", "global", ("global", "thread_local", "relaxed"),
+    _enum("capture_error_mode", "global", CAPTURE_ERROR_MODES,
           "what an unsafe op during capture does"),
     _bool("dump_tensor_data", False, "data dump"),
     _enum("data_dump_stage", "optimized", ("optimized", "original"), "which graph is dumped"),
@@ -151,15 +146,10 @@ def _unknown(name: object) -> OptionError:
 
 
 def _pass_identity(fn: Callable[..., Any]) -> str:
-    """Qualified name plus a hash of the source (bytecode where the source is unavailable), so a
-    changed pass changes the config hash."""
+    """Qualified name plus the passes' own identity of the pass (its source, or bytecode, and
+    what it closes over), so a changed pass changes the config hash."""
     qualname = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
-    try:
-        body = inspect.getsource(fn if inspect.isroutine(fn) else type(fn)).encode()
-    except (OSError, TypeError):
-        code = getattr(fn, "__code__", None)
-        body = code.co_code if code is not None else repr(fn).encode()
-    return f"{qualname}:{hashlib.sha256(body).hexdigest()[:16]}"
+    return f"{qualname}:{source_digest(fn)[:16]}"
 
 
 class CompilerConfig:
@@ -192,8 +182,6 @@ class CompilerConfig:
     static_kernel_compile: bool
     disable_static_kernel_compile_cache: bool
     mode: str
-
-    OPTION_NAMES: ClassVar[tuple[str, ...]] = tuple(_BY_NAME)
 
     def __init__(self, **options: object) -> None:
         for opt in _OPTIONS:
@@ -303,8 +291,3 @@ def rebuild_config(options: dict[str, object]) -> CompilerConfig:
         else:
             setattr(config, name, value)
     return config
-
-
-def option_doc(name: str) -> str:
-    """What an option does, as documented in the README table."""
-    return _BY_NAME[name].doc

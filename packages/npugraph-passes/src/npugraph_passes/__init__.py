@@ -3,7 +3,7 @@
 from npugraph_passes.__about__ import __version__
 from npugraph_passes.cat import remove_cat_ops
 from npugraph_passes.cleanup import dead_code_elimination
-from npugraph_passes.errors import PassError
+from npugraph_passes.errors import PassConfigError, PassError
 from npugraph_passes.fusion import fwd_only, pattern_fusion_pass, register_replacement
 from npugraph_passes.lint import UnsafeNode, capture_safety_lint, find_unsafe_nodes
 from npugraph_passes.manager import GraphPass, PassManager, PassRecord
@@ -13,6 +13,7 @@ from npugraph_passes.stats import bytes_copied_per_step, graph_stats
 
 __all__ = [
     "GraphPass",
+    "PassConfigError",
     "PassError",
     "PassManager",
     "PassRecord",

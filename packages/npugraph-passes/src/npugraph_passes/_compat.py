@@ -15,6 +15,13 @@ OpOverload: Any = torch._ops.OpOverload
 OpOverloadPacket: Any = torch._ops.OpOverloadPacket
 HigherOrderOperator: Any = torch._ops.HigherOrderOperator
 
+
+# OpOverload._schema: the op's torch._C.FunctionSchema (name, arguments and returns with their
+# alias_info, kwarg_only, default values). Checked on 2.13.0 (stable since 1.x).
+def op_schema(op: Any) -> Any:
+    return op._schema
+
+
 # Symbolic-shape comparisons that never guard. Checked on 2.13.0 (present since 2.1).
 def statically_known_true(x: Any) -> bool:
     try:

@@ -20,7 +20,7 @@ from collections.abc import Iterable
 import torch
 import torch.fx
 
-from npugraph_passes._compat import OpOverload
+from npugraph_passes._compat import OpOverload, op_schema
 from npugraph_passes.collectives import is_unannotated_collective
 
 
@@ -49,7 +49,7 @@ def alias_base(node: torch.fx.Node) -> torch.fx.Node | None:
         return base if base is not None and parent.target is not operator.getitem else None
     if not isinstance(target, OpOverload):
         return None
-    schema = target._schema
+    schema = op_schema(target)
     if not schema.returns or schema.returns[0].alias_info is None:
         return None
     sets = schema.returns[0].alias_info.before_set
@@ -106,7 +106,7 @@ def written_args(node: torch.fx.Node) -> list[torch.fx.Node]:
     if is_unannotated_collective(node):
         return list(node.all_input_nodes)
     written: list[torch.fx.Node] = []
-    for i, arg in enumerate(target._schema.arguments):
+    for i, arg in enumerate(op_schema(target).arguments):
         if arg.alias_info is None or not arg.alias_info.is_write:
             continue
         value = node.kwargs.get(arg.name) if (arg.kwarg_only or i >= len(node.args)) else node.args[i]

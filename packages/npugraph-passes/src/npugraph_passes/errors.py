@@ -11,3 +11,8 @@ class PassError(NpugraphError):
     def __init__(self, pass_name: str, message: str) -> None:
         super().__init__(message)
         self.pass_name = pass_name
+
+
+class PassConfigError(NpugraphError, TypeError):
+    """A pass or pass option of the wrong type (a pass that is not callable, a built-in's switch
+    that is not a bool). A TypeError too, so ``except TypeError`` keeps catching it."""

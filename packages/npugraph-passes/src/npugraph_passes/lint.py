@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from npugraph_passes._compat import OpOverload
+from npugraph_passes._compat import OpOverload, op_schema
 
 META_KEY = "npugraph_ex_unsafe_nodes"
 
@@ -92,7 +92,7 @@ def _is_bool_index(node: torch.fx.Node) -> bool:
 
 
 def _arg(node: torch.fx.Node, target: Any, name: str) -> tuple[bool, object]:
-    for i, arg in enumerate(target._schema.arguments):
+    for i, arg in enumerate(op_schema(target).arguments):
         if arg.name != name:
             continue
         if name in node.kwargs:
@@ -128,7 +128,7 @@ def _op_reason(node: torch.fx.Node) -> str | None:
         if target is torch.ops.aten.index.Tensor and not _is_bool_index(node):
             return None
         return _DATA_SHAPE
-    schema = target._schema
+    schema = op_schema(target)
     base = schema.name.split("::")[-1]
     returns = [str(r.type) for r in schema.returns]
     takes_tensor = any(isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)

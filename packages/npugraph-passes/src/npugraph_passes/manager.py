@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from npugraph_passes.errors import PassError
+from npugraph_passes.errors import PassConfigError, PassError
 from npugraph_passes.identity import combine, options_digest, package_digest, source_digest
 
 PassFn = Callable[[torch.fx.GraphModule, Sequence[Any], Any], None]
@@ -61,7 +61,7 @@ class GraphPass:
         builtin: bool = False,
     ) -> None:
         if not callable(fn):
-            raise TypeError(f"a graph pass must be callable (gm, example_inputs, config); got {fn!r}")
+            raise PassConfigError(f"a graph pass must be callable (gm, example_inputs, config); got {fn!r}")
         self.fn = fn
         self.name: str = name or str(getattr(fn, "__name__", type(fn).__name__))
         self.options: dict[str, object] = dict(options or {})
@@ -120,7 +120,7 @@ def _builtin_pass(option: str) -> PassFn:
 
 def _check_bool(option: str, value: object) -> bool:
     if type(value) is not bool:
-        raise TypeError(f"option {option}={value!r} must be True or False")
+        raise PassConfigError(f"option {option}={value!r} must be True or False")
     return value
 
 
@@ -128,7 +128,7 @@ def _check_user_pass(option: str, value: object) -> PassFn | None:
     if value is None:
         return None
     if not callable(value):
-        raise TypeError(
+        raise PassConfigError(
             f"option {option}={value!r} must be a callable (gm, example_inputs, config) -> None or None"
         )
     return value  # type: ignore[no-any-return]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from npugraph_passes._compat import OpOverload
+from npugraph_passes._compat import OpOverload, op_schema
 
 
 def _signature(schema: Any, drop_out: bool) -> list[tuple[str, str]]:
@@ -21,7 +21,7 @@ def out_overload(op: object) -> Any:
     an op returning one tensor; None when there is none (views, in-place ops, multi-output)."""
     if not isinstance(op, OpOverload):
         return None
-    schema = op._schema
+    schema = op_schema(op)
     if schema.is_mutable or len(schema.returns) != 1 or str(schema.returns[0].type) != "Tensor":
         return None
     if schema.returns[0].alias_info is not None:  # a view of an input
@@ -30,7 +30,7 @@ def out_overload(op: object) -> Any:
     want = _signature(schema, drop_out=False)
     for name in packet.overloads():
         cand = getattr(packet, name)
-        cs = cand._schema
+        cs = op_schema(cand)
         outs = [a for a in cs.arguments if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write]
         if len(outs) != 1 or outs[0].name != "out" or str(outs[0].type) != "Tensor":
             continue

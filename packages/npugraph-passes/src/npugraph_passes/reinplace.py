@@ -399,7 +399,7 @@ def _hop_slots(node: torch.fx.Node) -> list[tuple[object, torch.fx.Node, int]]:
     op = node.args[0] if node.args else None
     if not isinstance(op, _compat.OpOverload) or node.target not in (v1, v2) or node.target is None:
         return []
-    schema = op._schema
+    schema = _compat.op_schema(op)
     if any(a.kwarg_only and a.name == "out" for a in schema.arguments):
         return []  # out= ops return only their out tensors: another layout
     n_out = len(schema.returns) if len(schema.returns) > 1 else 1

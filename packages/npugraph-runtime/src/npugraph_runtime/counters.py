@@ -28,6 +28,14 @@ CAPTURE_LIMIT = "capture_limit"
 FORCE_EAGER = "force_eager"
 UNSAFE_OP = "unsafe_op"
 FALLBACK_REASONS = (CAPTURE_LIMIT, FORCE_EAGER, UNSAFE_OP)
+# a graph the backend runs eagerly because it needs gradients: it never reaches a callable, so
+# its counter carries no callable name
+REQUIRES_GRAD = "requires_grad"
+
+
+def fallback_counter(reason: str, name: str | None = None) -> str:
+    """The counter of eager fallbacks for ``reason``: ``eager_fallback_due_to_<reason>[_<name>]``."""
+    return f"eager_fallback_due_to_{reason}" + ("" if name is None else f"_{name}")
 
 _graph_numbers = itertools.count()
 
@@ -51,7 +59,7 @@ class CounterNames:
         self.captured = f"captured_{name}"
         self.new_key = f"capture_due_to_new_key_{name}"
         self.recapture = {r: f"recapture_due_to_{r}_{name}" for r in RECAPTURE_REASONS}
-        self.fallback = {r: f"eager_fallback_due_to_{r}_{name}" for r in FALLBACK_REASONS}
+        self.fallback = {r: fallback_counter(r, name) for r in FALLBACK_REASONS}
         self.held = f"capture_due_to_held_outputs_{name}"
         # calls run eagerly because every capture of their key had outputs held and the
         # capture_limit left no room for another

@@ -16,8 +16,9 @@ class DeviceError(NpugraphError, ValueError):
     """A device that npugraph-ex does not support, or tensors of two devices in one capture."""
 
 
-class PolicyError(ValueError):
-    """A capture policy or argument with a value that is not allowed."""
+class PolicyError(NpugraphError, ValueError):
+    """A capture policy or argument with a value that is not allowed (a ValueError too, so
+    ``except ValueError`` keeps catching it)."""
 
 
 class CrossStreamWarning(UserWarning):

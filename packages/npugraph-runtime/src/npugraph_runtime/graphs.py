@@ -72,7 +72,8 @@ def graph_pool_handle(device: torch.device | str | None = None) -> PoolHandle:
 
 def as_pool_handle(obj: object, device: torch.device | str) -> PoolHandle:
     """``obj`` as a pool of ``device``: one of our PoolHandles, or the device's own raw handle
-    (CUDA/NPU: the ``(int, int)`` of ``torch.cuda.graph_pool_handle()``; CPU: a pool id)."""
+    (CUDA/NPU: the ``(int, int)`` of ``torch.cuda.graph_pool_handle()``; CPU: a pool id). The
+    device backend's ``pool_ident`` decides what its raw handles are."""
     dev = device_of(device)
     if isinstance(obj, PoolHandle):
         if obj.device.type != dev.type:
@@ -82,21 +83,8 @@ def as_pool_handle(obj: object, device: torch.device | str) -> PoolHandle:
             )
         return obj
     backend = backend_for(dev)
-    if dev.type == "cpu":
-        if isinstance(obj, int) and not isinstance(obj, bool):
-            return PoolHandle(torch.device("cpu"), obj)
-    else:
-        pool_ident = getattr(backend, "pool_ident", None)
-        if pool_ident is not None:
-            normalize = getattr(backend, "normalize", None)
-            full = normalize(dev) if normalize is not None else dev
-            return PoolHandle(full, pool_ident(obj, full))
-        if isinstance(obj, tuple) and len(obj) == 2:
-            return PoolHandle(dev, obj)
-    raise PolicyError(
-        f"pool={obj!r} is not a pool of {dev}: give a handle from "
-        "npugraph_runtime.graph_pool_handle() or a graph's pool()"
-    )
+    full = backend.normalize(dev)
+    return PoolHandle(full, backend.pool_ident(obj, full))
 
 
 def pool_bytes(pool: PoolHandle) -> int:

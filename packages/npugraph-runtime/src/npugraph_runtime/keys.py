@@ -71,7 +71,3 @@ def key_function(spec: InputSpec) -> Callable[[Args], Key] | None:
         return tuple(k)
 
     return key
-
-
-def data_ptrs(tensors: Sequence[object]) -> list[int]:
-    return list(map(torch.Tensor.data_ptr, tensors))  # type: ignore[arg-type]

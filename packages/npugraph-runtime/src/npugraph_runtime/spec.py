@@ -12,6 +12,7 @@ from typing import Literal
 
 import torch
 
+from npugraph_runtime.devices.base import check_capture_error_mode
 from npugraph_runtime.errors import PolicyError
 
 
@@ -114,11 +115,7 @@ class CapturePolicy:
             raise PolicyError(
                 f"capture_limit={self.capture_limit!r} is not allowed: give an int >= 1"
             )
-        if self.capture_error_mode not in ("global", "thread_local", "relaxed"):
-            raise PolicyError(
-                f"capture_error_mode={self.capture_error_mode!r} is not allowed: "
-                "use 'global', 'thread_local' or 'relaxed'"
-            )
+        check_capture_error_mode(self.capture_error_mode)
         for flag in ("force_recapture", "force_eager", "clone_input", "clone_output",
                      "check_static_addresses"):
             if not isinstance(getattr(self, flag), bool):

@@ -16,10 +16,8 @@ from typing import Any
 import torch
 
 from npugraph_runtime.core_limit import core_limit_kind
-from npugraph_runtime.devices.base import PoolHandle
+from npugraph_runtime.devices.base import PoolHandle, check_capture_error_mode, is_raw_pool_id
 from npugraph_runtime.errors import CaptureError, DeviceError, PolicyError
-
-CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 
 _NPU_MISSING = (
     "the 'npu' device needs torch_npu, which is not installed or failed to import: "
@@ -73,11 +71,7 @@ class AcceleratorGraph:
 
     def capture_begin(self, pool: PoolHandle | None = None,
                       capture_error_mode: str = "global") -> None:
-        if capture_error_mode not in CAPTURE_ERROR_MODES:
-            raise PolicyError(
-                f"capture_error_mode={capture_error_mode!r} is not allowed: use 'global', "
-                "'thread_local' or 'relaxed'"
-            )
+        check_capture_error_mode(capture_error_mode)
         if self._capturing:
             raise CaptureError(f"capture_begin on a graph of {self.device} that is capturing "
                                "already; call capture_end() first")
@@ -228,8 +222,7 @@ class AcceleratorBackend:
                 raise DeviceError(f"a pool of {pool.device} cannot be used by a graph of {device}; "
                                   f"get one with graph_pool_handle({str(device)!r})")
             pool = pool.ident
-        if (isinstance(pool, tuple) and len(pool) == 2
-                and all(isinstance(i, int) and not isinstance(i, bool) for i in pool)):
+        if is_raw_pool_id(pool):
             return (pool[0], pool[1])
         raise PolicyError(f"pool={pool!r} is not a {self.type} pool: give a handle from "
                           "npugraph_runtime.graph_pool_handle(), a graph's pool(), or "

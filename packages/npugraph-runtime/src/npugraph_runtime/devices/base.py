@@ -7,9 +7,24 @@ picks one per ``torch.device``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 import torch
+
+from npugraph_runtime.errors import PolicyError
+
+#: What an op that cannot be captured does (torch.cuda.graph's capture_error_mode): every device
+#: graph, the capture policy and the backend's option accept exactly these.
+CAPTURE_ERROR_MODES: tuple[str, ...] = ("global", "thread_local", "relaxed")
+
+
+def check_capture_error_mode(capture_error_mode: object) -> None:
+    """PolicyError naming the value and the allowed modes, unless it is one of them."""
+    if capture_error_mode not in CAPTURE_ERROR_MODES:
+        raise PolicyError(
+            f"capture_error_mode={capture_error_mode!r} is not allowed: use 'global', "
+            "'thread_local' or 'relaxed'"
+        )
 
 
 @dataclass(frozen=True)
@@ -19,6 +34,16 @@ class PoolHandle:
 
     device: torch.device
     ident: Any
+
+
+def is_raw_pool_id(obj: object) -> TypeGuard[tuple[int, int]]:
+    """True for an accelerator's own pool handle: the allocator's ``(int, int)`` pool id, what
+    ``torch.cuda.graph_pool_handle()`` returns (bools are not ints here)."""
+    return (
+        isinstance(obj, tuple)
+        and len(obj) == 2
+        and all(isinstance(i, int) and not isinstance(i, bool) for i in obj)
+    )
 
 
 @runtime_checkable
@@ -44,6 +69,13 @@ class DeviceBackend(Protocol):
     def new_graph(self, device: torch.device) -> DeviceGraph: ...
 
     def graph_pool_handle(self, device: torch.device) -> PoolHandle: ...
+
+    def normalize(self, device: torch.device) -> torch.device: ...
+
+    def pool_ident(self, pool: object, device: torch.device) -> Any:
+        """The device's own id of ``pool`` (a PoolHandle of this device, or the device's raw
+        handle), PolicyError or DeviceError naming what is allowed otherwise."""
+        ...
 
     def pool_bytes(self, pool: PoolHandle) -> int: ...
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from npugraph_runtime import _compat
-from npugraph_runtime.devices.base import PoolHandle
+from npugraph_runtime.devices.base import CAPTURE_ERROR_MODES, PoolHandle, check_capture_error_mode
 from npugraph_runtime.devices.cpu_recorder import Recorder, TensorEntry
 from npugraph_runtime.devices.cpu_replay import generate
 from npugraph_runtime.devices.cpu_streams import (
@@ -50,7 +50,6 @@ from npugraph_runtime.pool import (
     new_cpu_pool_handle,
 )
 
-CAPTURE_ERROR_MODES = ("global", "thread_local", "relaxed")
 _CPU = torch.device("cpu")
 
 
@@ -59,14 +58,6 @@ class _Capturing(threading.local):
 
 
 _CAPTURING = _Capturing()
-
-
-def _check_mode(capture_error_mode: str) -> None:
-    if capture_error_mode not in CAPTURE_ERROR_MODES:
-        raise PolicyError(
-            f"capture_error_mode={capture_error_mode!r} is not allowed: use 'global', "
-            "'thread_local' or 'relaxed'"
-        )
 
 
 class CpuGraph:
@@ -94,7 +85,7 @@ class CpuGraph:
         If an op is refused, CaptureError is raised from that op and later ops run eagerly,
         unrecorded; the capture must still be ended: ``capture_end()`` (raises) or
         ``abort_capture()`` (``npugraph_runtime.graph`` does that for you)."""
-        _check_mode(capture_error_mode)
+        check_capture_error_mode(capture_error_mode)
         if self._recorder is not None:
             raise CaptureError("capture_begin() called on a graph that is already capturing")
         active = _CAPTURING.graph
@@ -280,6 +271,23 @@ class CpuBackend:
 
     def graph_pool_handle(self, device: torch.device) -> PoolHandle:
         return new_cpu_pool_handle()
+
+    def normalize(self, device: torch.device) -> torch.device:
+        return _CPU
+
+    def pool_ident(self, pool: object, device: torch.device) -> int:
+        """The id of ``pool``: a cpu PoolHandle's, or a pool id (an int) given as is."""
+        if isinstance(pool, PoolHandle):
+            if pool.device.type != "cpu":
+                raise DeviceError(f"a pool of {pool.device} cannot be used by a graph of cpu: "
+                                  "get one with graph_pool_handle('cpu')")
+            pool = pool.ident
+        if isinstance(pool, int) and not isinstance(pool, bool):
+            return pool
+        raise PolicyError(
+            f"pool={pool!r} is not a pool of cpu: give a handle from "
+            "npugraph_runtime.graph_pool_handle() or a graph's pool()"
+        )
 
     def pool_bytes(self, pool: PoolHandle) -> int:
         return cpu_pool_bytes(pool)
