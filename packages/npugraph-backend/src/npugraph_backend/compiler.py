@@ -18,6 +18,7 @@ import npugraph_runtime
 import torch
 import torch.fx
 from npugraph_passes import PassManager
+from npugraph_passes.stream_scopes import lower_stream_scopes
 from npugraph_runtime import CapturePolicy, InputSpec, OutputSpec
 from npugraph_runtime.graphs import as_pool_handle
 
@@ -231,6 +232,8 @@ def compile_graph(
     if _dump_original(config):
         return CompiledGraph(gm, specs.inputs, specs.outputs, config, name, device,
                              "data_dump_stage='original' runs the original graph eagerly", debug)
+    # streams and core limits of the graph first: the passes must see its events
+    lower_stream_scopes(gm, device, name)
     run_passes(gm, example_inputs, config, debug.pass_observer if debug is not None else None)
     if config.dump_tensor_data:
         data_dump.instrument(gm, config)
