@@ -169,3 +169,40 @@ def test_limit_core_num_applies_inside_the_graph(counter: Callable[[str], int]) 
         assert replayed[-3:] == [outer, 1, outer], replayed  # the replay ran under the limit
         assert torch.get_num_threads() == outer
     assert counter("captured_") == 1
+
+
+def test_input_mutated_on_a_side_stream_is_reinplaced_and_equal_eager() -> None:
+    def fn(x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        with ngr.stream(S1):
+            buf.add_(x)
+        return x * 2
+
+    args = [torch.randn(6), torch.randn(6)]
+    compiled, made = _aot_compile(fn, args)
+    for _ in range(5):
+        x, buf = torch.randn(6), torch.randn(6)
+        expected_buf = buf + x
+        torch.testing.assert_close(compiled(x, buf), x * 2)
+        torch.testing.assert_close(buf, expected_buf)
+    targets = [n.target for n in made[0].gm.graph.nodes]
+    # the epilogue copy_ is ordered by the join: the add writes the input itself
+    assert torch.ops.aten.copy_.default not in targets
+    assert torch.ops.aten.add_.Tensor in targets
+
+
+def _aot_compile(fn: Callable[..., Any], args: list[Any]) -> tuple[Any, list[Any]]:
+    from npugraph_backend.compiler import ForwardCompiler
+    from npugraph_backend.config import CompilerConfig
+
+    made: list[Any] = []
+    fwd = ForwardCompiler(CompilerConfig.from_options({}))
+
+    def keep(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        made.append(fwd(gm, example_inputs))
+        return made[-1]
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        return _compat.aot_module_simplified(gm, example_inputs, fw_compiler=keep,
+                                             keep_inference_input_mutations=True)
+
+    return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False), made

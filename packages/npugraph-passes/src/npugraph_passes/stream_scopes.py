@@ -9,7 +9,8 @@ Users leave ``npugraph_ex.scope_enter/scope_exit`` (stream and core-limit scopes
   they run (see ``npugraph_runtime.ops``);
 * closes the streams: the graph start is recorded and every side stream waits for it before its
   first node (fork), and the default stream waits for every side stream's last node before the
-  output (join) -- a device graph whose side stream is not joined cannot be captured;
+  output and its mutated-input epilogue (join) -- a device graph whose side stream is not joined
+  cannot be captured;
 * gives every record/wait pair an event of the graph (``event_record`` / ``event_wait`` with tag
   ``<graph>_<record node>``), next to the markers, which stay for the stream-safety analysis.
 
@@ -67,6 +68,25 @@ def _check_nesting(graph: torch.fx.Graph) -> list[tuple[torch.fx.Node, torch.fx.
     return pairs
 
 
+def _is_epilogue(node: torch.fx.Node) -> bool:
+    """AOT's ``copy_(input, new value)`` that writes a mutated input back at the graph's end."""
+    return (
+        node.op == "call_function"
+        and node.target is torch.ops.aten.copy_.default
+        and isinstance(node.args[0], torch.fx.Node)
+        and node.args[0].op in ("placeholder", "get_attr")
+    )
+
+
+def _join_point(graph: torch.fx.Graph) -> torch.fx.Node:
+    """Where the default stream joins the side streams: before the mutated-input epilogue, so the
+    write-back (and a write re-inplaced into the input on a side stream) is ordered by the join."""
+    point = next(n for n in reversed(graph.nodes) if n.op == "output")
+    while point.prev.op != "root" and _is_epilogue(point.prev):
+        point = point.prev
+    return point
+
+
 def _ops() -> Any:
     return torch.ops.npugraph_ex
 
@@ -107,8 +127,7 @@ def lower_stream_scopes(gm: torch.fx.GraphModule, device: torch.device, graph_na
         for exit_ in last_exit.values():
             with graph.inserting_before(exit_):
                 tokens.append(graph.call_function(ops.record.default, ()))
-        output = next(n for n in reversed(graph.nodes) if n.op == "output")
-        with graph.inserting_before(output):
+        with graph.inserting_before(_join_point(graph)):
             graph.call_function(ops.wait.default, (tokens,))
     for node in list(graph.nodes):
         if is_record(node):
