@@ -81,7 +81,7 @@ def _is_epilogue(node: torch.fx.Node) -> bool:
 def _join_point(graph: torch.fx.Graph) -> torch.fx.Node:
     """Where the default stream joins the side streams: before the mutated-input epilogue, so the
     write-back (and a write re-inplaced into the input on a side stream) is ordered by the join."""
-    point = next(n for n in reversed(graph.nodes) if n.op == "output")
+    point: torch.fx.Node = next(n for n in reversed(graph.nodes) if n.op == "output")
     while point.prev.op != "root" and _is_epilogue(point.prev):
         point = point.prev
     return point
