@@ -24,7 +24,7 @@ from npugraph_runtime.graphs import as_pool_handle
 
 from npugraph_backend import _compat
 from npugraph_backend.config import NPU_ONLY_OPTIONS, CompilerConfig, rebuild_config
-from npugraph_backend.dfx import data_dump, ranges
+from npugraph_backend.dfx import data_dump, deadlock, ranges
 from npugraph_backend.dfx import debug as debug_dumps
 from npugraph_backend.logs import log
 from npugraph_backend.specs import build_specs
@@ -235,6 +235,9 @@ def compile_graph(
     # streams and core limits of the graph first: the passes must see its events
     lower_stream_scopes(gm, device, name)
     run_passes(gm, example_inputs, config, debug.pass_observer if debug is not None else None)
+    if config.deadlock_check:
+        folder = debug.model_dir if debug is not None else data_dump.dump_root(config)
+        deadlock.run(gm, name, device, folder)
     if config.dump_tensor_data:
         data_dump.instrument(gm, config)
     gm.recompile()
