@@ -12,7 +12,8 @@ Users leave ``npugraph_ex.scope_enter/scope_exit`` (stream and core-limit scopes
   output and its mutated-input epilogue (join) -- a device graph whose side stream is not joined
   cannot be captured;
 * gives every record/wait pair an event of the graph (``event_record`` / ``event_wait`` with tag
-  ``<graph>_<record node>``), next to the markers, which stay for the stream-safety analysis.
+  ``<graph>_<record node>``), next to the markers, which stay for the stream-safety analysis; a
+  ``wait([tensor])`` on a computed tensor gets an event recorded right after its producer.
 
 Each node's stream label (None: the default stream) is left in ``node.meta["stream_label"]``."""
 
@@ -136,11 +137,15 @@ def lower_stream_scopes(gm: torch.fx.GraphModule, device: torch.device, graph_na
         elif is_wait(node):
             waited = node.args[0] if node.args else node.kwargs.get("nodes", ())
             for token in waited if isinstance(waited, (list, tuple)) else ():
-                if isinstance(token, torch.fx.Node) and is_record(token):
-                    with graph.inserting_before(node):
-                        graph.call_function(
-                            ops.event_wait.default, (f"{graph_name}_{token.name}", dev)
-                        )
+                if not isinstance(token, torch.fx.Node) or token.op != "call_function":
+                    continue  # a graph input: ready before the graph starts
+                tag = f"{graph_name}_{token.name}"
+                if not is_record(token):
+                    # waiting for a tensor: its producer's stream records right after making it
+                    with graph.inserting_after(token):
+                        graph.call_function(ops.event_record.default, (tag, dev))
+                with graph.inserting_before(node):
+                    graph.call_function(ops.event_wait.default, (tag, dev))
     streams = StreamMap(graph)
     for node, stream_label in streams.label.items():
         node.meta["stream_label"] = stream_label
