@@ -226,3 +226,29 @@ def test_portable_scope_api_by_tag_equal_eager_without_races(counter: Callable[[
             x, w = torch.randn(4, 4), torch.randn(4, 4)
             torch.testing.assert_close(compiled(x, w), fn(x, w))
     assert counter("captured_") == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_two_branches_on_two_cuda_streams_equal_eager(counter: Callable[[str], int]) -> None:
+    s1, s2 = ngr.Stream("cuda"), ngr.Stream("cuda")
+
+    def fn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        with ngr.stream(s1):
+            a = (x @ w1).relu()
+            e1 = ngr.Event("cuda")
+            e1.record()
+        with ngr.stream(s2):
+            b = (x @ w2).sigmoid()
+            e2 = ngr.Event("cuda")
+            e2.record()
+        e1.wait()
+        e2.wait()
+        return a + b
+
+    compiled = _compile(fn)
+    for _ in range(10):
+        args = [t.cuda() for t in _inputs()]
+        torch.testing.assert_close(compiled(*args), fn(*args))
+    assert counter("captured_") == 1
+    assert sum(_compat.dynamo_counters()["recompiles"].values()) == 0

@@ -214,7 +214,7 @@ def register() -> None:
 
 # --- user streams -------------------------------------------------------------------------------
 
-_streams_lock = threading.RLock()  # Stream() registers itself while user_stream holds it
+_streams_lock = threading.Lock()
 _user_streams: dict[str, Any] = {}
 
 
@@ -228,15 +228,19 @@ def register_user_stream(label: str, stream: Any) -> None:
 
 
 def user_stream(label: str, device: torch.device | str | None = None) -> Any:
-    """The stream registered under ``label``; an unknown label gets a new ``Stream(device)``,
+    """The stream registered under ``label``, else the live ``npugraph_runtime.Stream`` whose
+    ``.label`` it is; an unknown label gets a new ``Stream(device)``,
     registered, so every lowering of one label in this process uses one stream."""
     if not isinstance(label, str) or not label:
         raise NpugraphError(f"user stream label {label!r} is not allowed: give a non-empty str")
     with _streams_lock:
         found = _user_streams.get(label)
         if found is None:
-            from npugraph_runtime.streams import Stream
+            from npugraph_runtime.streams import Stream, stream_by_label
 
+            found = stream_by_label(label)  # an npugraph_runtime.Stream used in compiled code
+            if found is not None:
+                return found
             found = _user_streams[label] = Stream(device)
         return found
 

@@ -16,6 +16,7 @@ refused); events may be created inside."""
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -27,6 +28,8 @@ from npugraph_runtime.devices import backend_for
 from npugraph_runtime.errors import NpugraphError
 
 _LABELS = itertools.count(1)
+# label -> the live Stream of that label (weak: a stream nobody holds is not kept by its label)
+_BY_LABEL: weakref.WeakValueDictionary[str, Stream] = weakref.WeakValueDictionary()
 
 
 def _device(device: torch.device | str | None) -> torch.device:
@@ -51,7 +54,7 @@ class Stream:
         self.device: torch.device = _impl.device
         # the name compiled graphs give this stream (scope_enter's "_user_stream_label")
         self.label = f"stream_{next(_LABELS)}"
-        ops.register_user_stream(self.label, self)
+        _BY_LABEL[self.label] = self
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Stream) and other.impl == self.impl
@@ -127,6 +130,11 @@ class Event:
 
     def query(self) -> bool:
         return bool(self.impl.query())
+
+
+def stream_by_label(label: str) -> Stream | None:
+    """The live ``Stream`` whose ``label`` is ``label``, or None."""
+    return _BY_LABEL.get(label)
 
 
 def stream_impl(stream: Stream | Any) -> Any:
