@@ -151,14 +151,27 @@ def test_unbalanced_scope_enter_raises_naming_the_node() -> None:
     assert isinstance(info.value.__cause__ or info.value.inner_exception, PassError)
 
 
-def test_limit_core_num_applies_inside_the_graph(counter: Callable[[str], int]) -> None:
+@pytest.mark.parametrize("force_eager", [False, True])
+def test_limit_core_num_applies_inside_the_graph(
+    counter: Callable[[str], int], force_eager: bool
+) -> None:
     def fn(x: torch.Tensor) -> torch.Tensor:
         a = _ms.threads(x)
         with ngr.limit_core_num(1, 0, device="cpu"):
             b = _ms.threads(x)
         return a + b + _ms.threads(x)
 
-    compiled = _compile(fn)
+    compiled = _compile(fn, force_eager=force_eager)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)  # so the limit of 1 shows
+    try:
+        _check_limit(compiled, fn)
+    finally:
+        torch.set_num_threads(saved)
+    assert counter("captured_") == (0 if force_eager else 1)
+
+
+def _check_limit(compiled: Any, fn: Callable[..., Any]) -> None:
     outer = torch.get_num_threads()
     for _ in range(5):
         x = torch.randn(3)
@@ -168,7 +181,6 @@ def test_limit_core_num_applies_inside_the_graph(counter: Callable[[str], int]) 
         torch.testing.assert_close(got, fn(x))
         assert replayed[-3:] == [outer, 1, outer], replayed  # the replay ran under the limit
         assert torch.get_num_threads() == outer
-    assert counter("captured_") == 1
 
 
 def test_input_mutated_on_a_side_stream_is_reinplaced_and_equal_eager() -> None:
