@@ -11,6 +11,7 @@ import itertools
 import logging
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -233,7 +234,9 @@ def compile_graph(
         return CompiledGraph(gm, specs.inputs, specs.outputs, config, name, device,
                              "data_dump_stage='original' runs the original graph eagerly", debug)
     # streams and core limits of the graph first: the passes must see its events
-    lower_stream_scopes(gm, device, name)
+    if lower_stream_scopes(gm, device, name):
+        # the graph's events live as long as the graph module does
+        weakref.finalize(gm, npugraph_runtime.ops.forget_graph_events, f"{name}_")
     run_passes(gm, example_inputs, config, debug.pass_observer if debug is not None else None)
     if config.deadlock_check:
         folder = debug.model_dir if debug is not None else data_dump.dump_root(config)
