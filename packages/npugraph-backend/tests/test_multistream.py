@@ -264,3 +264,34 @@ def test_two_branches_on_two_cuda_streams_equal_eager(counter: Callable[[str], i
         torch.testing.assert_close(compiled(*args), fn(*args))
     assert counter("captured_") == 1
     assert sum(_compat.dynamo_counters()["recompiles"].values()) == 0
+
+
+def test_nested_core_limits_on_a_side_stream_restore_in_order() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        with ngr.limit_core_num(2, 0, device="cpu"):
+            with ngr.stream(S1):
+                a = _ms.threads(_ms.which_stream(x))
+                with ngr.limit_core_num(1, 0, device="cpu"):
+                    b = _ms.threads(x)
+                c = _ms.threads(x)
+                e = ngr.Event("cpu")
+                e.record()
+        e.wait()
+        return a + b + c
+
+    if torch.get_num_threads() < 2 and ngr.max_core_num("cpu")[0] < 2:
+        pytest.skip("needs 2 CPU cores")
+    compiled = _compile(fn)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(5):
+            x = torch.randn(3)
+            _threads.clear()
+            _seen.clear()
+            got = compiled(x)
+            assert _threads[-3:] == [2, 1, 2] and _seen[-1] == S1.impl.id
+            assert torch.get_num_threads() == 1 and current_cpu_stream().id == 0
+            torch.testing.assert_close(got, fn(x))
+    finally:
+        torch.set_num_threads(saved)
