@@ -268,14 +268,13 @@ def test_two_branches_on_two_cuda_streams_equal_eager(counter: Callable[[str], i
 
 def test_nested_core_limits_on_a_side_stream_restore_in_order() -> None:
     def fn(x: torch.Tensor) -> torch.Tensor:
-        with ngr.limit_core_num(2, 0, device="cpu"):
-            with ngr.stream(S1):
-                a = _ms.threads(_ms.which_stream(x))
-                with ngr.limit_core_num(1, 0, device="cpu"):
-                    b = _ms.threads(x)
-                c = _ms.threads(x)
-                e = ngr.Event("cpu")
-                e.record()
+        with ngr.limit_core_num(2, 0, device="cpu"), ngr.stream(S1):
+            a = _ms.threads(_ms.which_stream(x))
+            with ngr.limit_core_num(1, 0, device="cpu"):
+                b = _ms.threads(x)
+            c = _ms.threads(x)
+            e = ngr.Event("cpu")
+            e.record()
         e.wait()
         return a + b + c
 
