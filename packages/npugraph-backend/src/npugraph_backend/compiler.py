@@ -11,6 +11,7 @@ import itertools
 import logging
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,13 +19,14 @@ import npugraph_runtime
 import torch
 import torch.fx
 from npugraph_passes import PassManager
+from npugraph_passes.stream_scopes import lower_stream_scopes
 from npugraph_runtime import CapturePolicy, InputSpec, OutputSpec
 from npugraph_runtime.callsite import warn_at_caller
 from npugraph_runtime.graphs import as_pool_handle
 
 from npugraph_backend import _compat, process_groups
 from npugraph_backend.config import NPU_ONLY_OPTIONS, CompilerConfig, rebuild_config
-from npugraph_backend.dfx import data_dump, ranges
+from npugraph_backend.dfx import data_dump, deadlock, ranges
 from npugraph_backend.dfx import debug as debug_dumps
 from npugraph_backend.logs import log
 from npugraph_backend.specs import build_specs
@@ -232,7 +234,14 @@ def compile_graph(
     if _dump_original(config):
         return CompiledGraph(gm, specs.inputs, specs.outputs, config, name, device,
                              "data_dump_stage='original' runs the original graph eagerly", debug)
+    # streams and core limits of the graph first: the passes must see its events
+    if lower_stream_scopes(gm, device, name):
+        # the graph's events live as long as the graph module does
+        weakref.finalize(gm, npugraph_runtime.ops.forget_graph_events, f"{name}_")
     run_passes(gm, example_inputs, config, debug.pass_observer if debug is not None else None)
+    if config.deadlock_check:
+        folder = debug.model_dir if debug is not None else data_dump.dump_root(config)
+        deadlock.run(gm, name, device, folder)
     if config.dump_tensor_data:
         data_dump.instrument(gm, config)
     gm.recompile()

@@ -16,6 +16,13 @@ stream registered under that label (see :func:`user_stream`); the backend does t
 ops themselves only keep the scope stack. A scope with ``"_op_aicore_num"`` / ``"_op_vectorcore_num"``
 is what :class:`~npugraph_runtime.core_limit.limit_core_num` leaves in a compiled graph.
 
+The backend's lowering adds the key ``"_device"`` (the graph's device) to those scopes: a scope
+with it is *applied* when it runs (in a capture, at every replay, and eagerly): a user-stream scope
+makes that stream current on its device, a core-limit scope enters ``limit_core_num`` on the
+device, and ``scope_exit`` undoes it. The lowering also turns record/wait pairs into
+``npugraph_ex.event_record(str tag, str device)`` / ``event_wait(tag, device)``: the event of the
+graph named ``tag`` (created on first use) is recorded on / waited for by the current stream.
+
 If another library (torch_npu's own npugraph_ex) already defined an op of the same name, that
 definition is kept and ours is not registered."""
 
@@ -34,18 +41,22 @@ NAMESPACE = "npugraph_ex"
 USER_STREAM_LABEL = "_user_stream_label"
 AICORE_KEY = "_op_aicore_num"
 VECTORCORE_KEY = "_op_vectorcore_num"
+DEVICE_KEY = "_device"
 
 _SCHEMAS = {
     "scope_enter": "scope_enter(str[] keys, str[] values) -> ()",
     "scope_exit": "scope_exit() -> ()",
     "record": "record() -> Tensor",
     "wait": "wait(Tensor[] nodes) -> ()",
+    "event_record": "event_record(str tag, str device) -> ()",
+    "event_wait": "event_wait(str tag, str device) -> ()",
 }
 
 
 class _ScopeStack(threading.local):
     def __init__(self) -> None:
         self.scopes: list[dict[str, str]] = []
+        self.undo: list[list[Any]] = []
 
 
 _stack = _ScopeStack()
@@ -70,7 +81,37 @@ def _scope_enter(keys: Sequence[str], values: Sequence[str]) -> None:
             f"npugraph_ex.scope_enter got {len(keys)} keys and {len(values)} values; "
             "give one value per key"
         )
-    _stack.scopes.append(dict(zip(keys, values, strict=True)))
+    scope = dict(zip(keys, values, strict=True))
+    undo = _apply(scope)
+    _stack.scopes.append(scope)
+    _stack.undo.append(undo)
+
+
+def _apply(scope: dict[str, str]) -> list[Any]:
+    """Make a lowered scope (one with ``"_device"``) take effect; returns how to undo it."""
+    device = scope.get(DEVICE_KEY)
+    undo: list[Any] = []
+    if device is None:
+        return undo
+    label = scope.get(USER_STREAM_LABEL)
+    if label is not None:
+        from npugraph_runtime.devices import backend_for
+        from npugraph_runtime.streams import stream_impl
+
+        raw = stream_impl(user_stream(label, device))
+        backend = backend_for(raw.device)
+        previous = backend.current_stream(raw.device)
+        backend.set_stream(raw)
+        undo.append(lambda: backend.set_stream(previous))
+    if AICORE_KEY in scope:
+        from npugraph_runtime.core_limit import limit_core_num
+
+        limit = limit_core_num(
+            int(scope[AICORE_KEY]), int(scope.get(VECTORCORE_KEY, "0")), device=device
+        )
+        limit.__enter__()
+        undo.append(lambda: limit.__exit__(None, None, None))
+    return undo
 
 
 def _scope_exit() -> None:
@@ -80,6 +121,8 @@ def _scope_exit() -> None:
             "every scope_exit needs an earlier scope_enter"
         )
     _stack.scopes.pop()
+    for undo in reversed(_stack.undo.pop()):
+        undo()
 
 
 def _record() -> torch.Tensor:
@@ -99,11 +142,44 @@ def _nothing(*args: object) -> None:
     return None
 
 
+_events_lock = threading.Lock()
+_graph_events: dict[str, Any] = {}
+
+
+def graph_event(tag: str, device: str) -> Any:
+    """The event of a compiled graph named ``tag`` (an ``npugraph_runtime.Event`` of ``device``),
+    created on first use."""
+    with _events_lock:
+        event = _graph_events.get(tag)
+        if event is None:
+            from npugraph_runtime.streams import Event
+
+            event = _graph_events[tag] = Event(device)
+        return event
+
+
+def forget_graph_events(prefix: str) -> None:
+    """Drop the events of the graph whose tags start with ``prefix`` (the graph is gone)."""
+    with _events_lock:
+        for tag in [t for t in _graph_events if t.startswith(prefix)]:
+            del _graph_events[tag]
+
+
+def _event_record(tag: str, device: str) -> None:
+    graph_event(tag, device).record()
+
+
+def _event_wait(tag: str, device: str) -> None:
+    graph_event(tag, device).wait()
+
+
 _IMPLS: dict[str, tuple[Any, Any]] = {
     "scope_enter": (_scope_enter, _nothing),
     "scope_exit": (_scope_exit, _nothing),
     "record": (_record, _record_fake),
     "wait": (_wait, _nothing),
+    "event_record": (_event_record, _nothing),
+    "event_wait": (_event_wait, _nothing),
 }
 
 # torch.library is untyped; one Any-typed alias keeps mypy --strict quiet at every call.
@@ -152,15 +228,19 @@ def register_user_stream(label: str, stream: Any) -> None:
 
 
 def user_stream(label: str, device: torch.device | str | None = None) -> Any:
-    """The stream registered under ``label``; an unknown label gets a new ``Stream(device)``,
+    """The stream registered under ``label``, else the live ``npugraph_runtime.Stream`` whose
+    ``.label`` it is; an unknown label gets a new ``Stream(device)``,
     registered, so every lowering of one label in this process uses one stream."""
     if not isinstance(label, str) or not label:
         raise NpugraphError(f"user stream label {label!r} is not allowed: give a non-empty str")
     with _streams_lock:
         found = _user_streams.get(label)
         if found is None:
-            from npugraph_runtime.streams import Stream
+            from npugraph_runtime.streams import Stream, stream_by_label
 
+            found = stream_by_label(label)  # an npugraph_runtime.Stream used in compiled code
+            if found is not None:
+                return found
             found = _user_streams[label] = Stream(device)
         return found
 

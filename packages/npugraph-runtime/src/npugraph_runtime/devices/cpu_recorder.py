@@ -33,6 +33,7 @@ from npugraph_runtime.devices.cpu_streams import (
     CpuStream,
     HazardTracker,
     current_cpu_stream,
+    replays_marker,
 )
 from npugraph_runtime.errors import CaptureError, CrossStreamWarning, DeviceError, NpugraphError
 
@@ -517,6 +518,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
             step.kind = Kind.COLLECTIVE_WAIT  # returns its argument, yet must be re-issued
         elif func.namespace == "_c10d_functional" and fresh:
             step.kind, step.outs = Kind.COLLECTIVE, fresh
+        elif replays_marker(func):
+            step.kind = Kind.AS_IS
         elif not fresh and func.namespace not in _TRUSTED_SCHEMAS:
             # a custom op with no fresh result: its schema may not declare what it writes, so it
             # is re-issued rather than trusted to be a view

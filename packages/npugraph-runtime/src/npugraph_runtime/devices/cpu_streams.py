@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -99,6 +99,19 @@ class CpuEvent:
 
     def query(self) -> bool:
         return True
+
+
+# npugraph_ex ops a replay re-issues: lowered scopes switch the logical stream and apply core
+# limits when they run, graph events order the streams (see npugraph_runtime.ops).
+_REPLAYED_MARKERS = frozenset({"scope_enter", "scope_exit", "event_record", "event_wait"})
+
+
+def replays_marker(func: Any) -> bool:
+    """Whether ``func`` is an ``npugraph_ex`` scope or event op, which a replay runs again."""
+    if getattr(func, "namespace", None) != "npugraph_ex":
+        return False
+    name = str(func._schema.name).split("::")[-1]
+    return name in _REPLAYED_MARKERS
 
 
 class HazardTracker:

@@ -1,0 +1,296 @@
+"""Streams, events and core limits inside compiled functions, on the CPU's logical streams:
+the graph carries them, the capture checks them, every replay equals eager."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import npugraph_runtime as ngr
+import pytest
+import torch
+from npugraph_backend import _compat
+from npugraph_passes.errors import PassError
+from npugraph_runtime.devices.cpu_streams import current_cpu_stream
+
+_seen: list[int] = []
+_threads: list[int] = []
+_lib = torch.library.Library("npugraph_ex_test_ms", "FRAGMENT")
+_lib.define("which_stream(Tensor x) -> Tensor")
+_lib.define("threads(Tensor x) -> Tensor")
+
+
+def _which_stream(x: torch.Tensor) -> torch.Tensor:
+    _seen.append(current_cpu_stream().id)
+    return x.clone()
+
+
+def _read_threads(x: torch.Tensor) -> torch.Tensor:
+    _threads.append(torch.get_num_threads())
+    return x + torch.get_num_threads()
+
+
+_lib.impl("which_stream", _which_stream, "CompositeExplicitAutograd")
+_lib.impl("threads", _read_threads, "CompositeExplicitAutograd")
+torch.library.register_fake("npugraph_ex_test_ms::which_stream", lambda x: torch.empty_like(x), lib=_lib)
+torch.library.register_fake("npugraph_ex_test_ms::threads", lambda x: torch.empty_like(x), lib=_lib)
+_ms = torch.ops.npugraph_ex_test_ms
+
+S1 = ngr.Stream("cpu")
+S2 = ngr.Stream("cpu")
+
+
+def two_branches(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The seed's scenario: two independent branches on two streams, joined by events."""
+    with ngr.stream(S1):
+        a = _ms.which_stream((x @ w1).relu())
+        done1 = ngr.Event("cpu")
+        done1.record()
+    with ngr.stream(S2):
+        b = _ms.which_stream((x @ w2).sigmoid())
+        done2 = ngr.Event("cpu")
+        done2.record()
+    done1.wait()
+    done2.wait()
+    return _ms.which_stream(a + b)
+
+
+def _compile(fn: Callable[..., Any], **options: object) -> Any:
+    return torch.compile(fn, backend="npugraph_ex", fullgraph=True, options=dict(options))
+
+
+def _inputs() -> list[torch.Tensor]:
+    return [torch.randn(8, 16), torch.randn(16, 16), torch.randn(16, 16)]
+
+
+def test_two_branches_on_two_streams_equal_eager_with_one_capture(
+    counter: Callable[[str], int],
+) -> None:
+    compiled = _compile(two_branches)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ngr.CrossStreamWarning)
+        for _ in range(10):
+            args = _inputs()
+            _seen.clear()
+            got = compiled(*args)
+            torch.testing.assert_close(got, two_branches(*args))
+    assert counter("captured_") == 1
+    assert _compat.dynamo_counters()["stats"]["unique_graphs"] == 1
+    assert sum(_compat.dynamo_counters()["recompiles"].values()) == 0
+    # the last call: the replay runs each branch on its stream, as eager does
+    assert _seen == [S1.impl.id, S2.impl.id, 0] * 2
+    assert current_cpu_stream().id == 0
+
+
+def test_two_functions_with_streams_compile_in_one_process(counter: Callable[[str], int]) -> None:
+    def first(x: torch.Tensor) -> torch.Tensor:
+        with ngr.stream(S1):
+            y = x * 2
+            e = ngr.Event("cpu")
+            e.record()
+        e.wait()
+        return y + 1
+
+    def second(x: torch.Tensor) -> torch.Tensor:
+        with ngr.stream(S2):
+            y = x - 2
+        S1.wait_stream(S2)
+        with ngr.stream(S1):
+            z = y * 3
+        ngr.current_stream("cpu").wait_stream(S1)
+        return z + 1
+
+    f, g = _compile(first), _compile(second)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ngr.CrossStreamWarning)
+        for _ in range(5):
+            x = torch.randn(6)
+            torch.testing.assert_close(f(x), first(x))
+            torch.testing.assert_close(g(x), second(x))
+    assert counter("captured_") == 2
+    assert sum(_compat.dynamo_counters()["recompiles"].values()) == 0
+
+
+def test_event_made_inside_the_function_does_not_recompile(counter: Callable[[str], int]) -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        e = ngr.Event("cpu")
+        with ngr.stream(S1):
+            y = x.exp()
+            e.record()
+        e.wait()
+        return y * 2
+
+    compiled = _compile(fn)
+    for _ in range(5):
+        x = torch.randn(5)
+        torch.testing.assert_close(compiled(x), fn(x))
+    assert counter("captured_") == 1
+    assert _compat.dynamo_counters()["stats"]["unique_graphs"] == 1
+
+
+def test_use_on_another_stream_without_an_event_warns() -> None:
+    def racy(x: torch.Tensor) -> torch.Tensor:
+        with ngr.stream(S1):
+            y = x.exp()
+        return y + 1  # no event: the default stream may read y before S1 wrote it
+
+    compiled = _compile(racy)
+    with pytest.warns(ngr.CrossStreamWarning, match="aten.add"):
+        x = torch.randn(4)
+        torch.testing.assert_close(compiled(x), racy(x))
+
+
+def test_unbalanced_scope_enter_raises_naming_the_node() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        torch.ops.npugraph_ex.scope_enter(["_user_stream_label"], ["side"])
+        return x + 1
+
+    with pytest.raises(Exception, match=r"scope_enter node '\w+' is never closed") as info:
+        _compile(fn)(torch.randn(3))
+    assert isinstance(info.value.__cause__ or info.value.inner_exception, PassError)
+
+
+@pytest.mark.parametrize("force_eager", [False, True])
+def test_limit_core_num_applies_inside_the_graph(
+    counter: Callable[[str], int], force_eager: bool
+) -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        a = _ms.threads(x)
+        with ngr.limit_core_num(1, 0, device="cpu"):
+            b = _ms.threads(x)
+        return a + b + _ms.threads(x)
+
+    compiled = _compile(fn, force_eager=force_eager)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)  # so the limit of 1 shows
+    try:
+        _check_limit(compiled, fn)
+    finally:
+        torch.set_num_threads(saved)
+    assert counter("captured_") == (0 if force_eager else 1)
+
+
+def _check_limit(compiled: Any, fn: Callable[..., Any]) -> None:
+    outer = torch.get_num_threads()
+    for _ in range(5):
+        x = torch.randn(3)
+        _threads.clear()
+        got = compiled(x)
+        replayed = list(_threads)
+        torch.testing.assert_close(got, fn(x))
+        assert replayed[-3:] == [outer, 1, outer], replayed  # the replay ran under the limit
+        assert torch.get_num_threads() == outer
+
+
+def test_input_mutated_on_a_side_stream_is_reinplaced_and_equal_eager() -> None:
+    def fn(x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        with ngr.stream(S1):
+            buf.add_(x)
+        return x * 2
+
+    args = [torch.randn(6), torch.randn(6)]
+    compiled, made = _aot_compile(fn, args)
+    for _ in range(5):
+        x, buf = torch.randn(6), torch.randn(6)
+        expected_buf = buf + x
+        torch.testing.assert_close(compiled(x, buf), x * 2)
+        torch.testing.assert_close(buf, expected_buf)
+    targets = [n.target for n in made[0].gm.graph.nodes]
+    # the epilogue copy_ is ordered by the join: the add writes the input itself
+    assert torch.ops.aten.copy_.default not in targets
+    assert torch.ops.aten.add_.Tensor in targets
+
+
+def _aot_compile(fn: Callable[..., Any], args: list[Any]) -> tuple[Any, list[Any]]:
+    from npugraph_backend.compiler import ForwardCompiler
+    from npugraph_backend.config import CompilerConfig
+
+    made: list[Any] = []
+    fwd = ForwardCompiler(CompilerConfig.from_options({}))
+
+    def keep(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        made.append(fwd(gm, example_inputs))
+        return made[-1]
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        return _compat.aot_module_simplified(gm, example_inputs, fw_compiler=keep,
+                                             keep_inference_input_mutations=True)
+
+    return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False), made
+
+
+def test_portable_scope_api_by_tag_equal_eager_without_races(counter: Callable[[str], int]) -> None:
+    from npugraph_ex import scope
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        with scope.stream("side_a"):
+            a = (x @ w).tanh()
+        with scope.stream("side_b"):
+            b = x.exp()
+        scope.wait([a, b])
+        return a * b
+
+    compiled = _compile(fn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ngr.CrossStreamWarning)
+        for _ in range(5):
+            x, w = torch.randn(4, 4), torch.randn(4, 4)
+            torch.testing.assert_close(compiled(x, w), fn(x, w))
+    assert counter("captured_") == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_two_branches_on_two_cuda_streams_equal_eager(counter: Callable[[str], int]) -> None:
+    s1, s2 = ngr.Stream("cuda"), ngr.Stream("cuda")
+
+    def fn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        with ngr.stream(s1):
+            a = (x @ w1).relu()
+            e1 = ngr.Event("cuda")
+            e1.record()
+        with ngr.stream(s2):
+            b = (x @ w2).sigmoid()
+            e2 = ngr.Event("cuda")
+            e2.record()
+        e1.wait()
+        e2.wait()
+        return a + b
+
+    compiled = _compile(fn)
+    for _ in range(10):
+        args = [t.cuda() for t in _inputs()]
+        torch.testing.assert_close(compiled(*args), fn(*args))
+    assert counter("captured_") == 1
+    assert sum(_compat.dynamo_counters()["recompiles"].values()) == 0
+
+
+def test_nested_core_limits_on_a_side_stream_restore_in_order() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        with ngr.limit_core_num(2, 0, device="cpu"), ngr.stream(S1):
+            a = _ms.threads(_ms.which_stream(x))
+            with ngr.limit_core_num(1, 0, device="cpu"):
+                b = _ms.threads(x)
+            c = _ms.threads(x)
+            e = ngr.Event("cpu")
+            e.record()
+        e.wait()
+        return a + b + c
+
+    if torch.get_num_threads() < 2 and ngr.max_core_num("cpu")[0] < 2:
+        pytest.skip("needs 2 CPU cores")
+    compiled = _compile(fn)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(5):
+            x = torch.randn(3)
+            _threads.clear()
+            _seen.clear()
+            got = compiled(x)
+            assert _threads[-3:] == [2, 1, 2] and _seen[-1] == S1.impl.id
+            assert torch.get_num_threads() == 1 and current_cpu_stream().id == 0
+            torch.testing.assert_close(got, fn(x))
+    finally:
+        torch.set_num_threads(saved)
