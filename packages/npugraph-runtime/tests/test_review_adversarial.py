@@ -5,6 +5,7 @@ capture happened."""
 from __future__ import annotations
 
 import npugraph_runtime as ngr
+import pytest
 import torch
 import torch.nn.functional as F
 from npugraph_runtime._compat import npugraph_ex_counters
@@ -39,3 +40,47 @@ def test_grouped_kv_shortcut_refused_when_the_repeated_copy_is_written_after_the
         k, v = torch.randn(B, KV_HEADS, SEQ, DIM), torch.randn(B, KV_HEADS, SEQ, DIM)
         torch.testing.assert_close(fn(q, k, v), scaled_keys_attention(q, k, v))
     assert fn.num_captures == 1
+
+
+def decay_into_cache(cache: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    cache.mul_(0.5).add_(x.sum(0))
+    return cache * 2 + x[:1]
+
+
+@pytest.mark.parametrize("clone_input", [True, False])
+@torch.no_grad()
+def test_user_input_cut_from_the_mutated_inputs_arena_without_overlap(clone_input: bool) -> None:
+    # a KV cache and a scratch input cut from one arena: same storage, no shared byte, so the
+    # replay reads the input as eager does (it used to be refused as sharing memory)
+    arena, eager_arena = torch.zeros(10, 4), torch.zeros(10, 4)
+    fn = ngr.make_graphed_callable(decay_into_cache, (arena[:6], arena[6:]), mutated_argnums=(0,),
+                                   clone_input=clone_input, name=f"arena_{clone_input}")
+    for _ in range(6):
+        scratch = torch.randn(4, 4)
+        arena[6:].copy_(scratch)
+        eager_arena[6:].copy_(scratch)
+        torch.testing.assert_close(fn(arena[:6], arena[6:]),
+                                   decay_into_cache(eager_arena[:6], eager_arena[6:]))
+        torch.testing.assert_close(arena, eager_arena)
+    assert npugraph_ex_counters()[f"captured_arena_{clone_input}"] == 1
+
+
+def test_user_input_overlapping_a_mutated_input_is_still_refused() -> None:
+    arena = torch.zeros(10, 4)
+    fn = ngr.make_graphed_callable(decay_into_cache, (arena[:6], arena[5:]), mutated_argnums=(0,),
+                                   name="arena_overlap")
+    with pytest.raises(ngr.PolicyError, match="user input 1 shares memory with mutated input 0"):
+        fn(arena[:6], arena[5:])
+
+
+def reads_the_arena_through_as_strided(cache: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    cache.add_(1)
+    return x.as_strided((4,), (1,), 0) * 2  # storage offset 0: the cache's bytes
+
+
+def test_disjoint_user_input_read_through_as_strided_into_the_mutated_bytes_is_refused() -> None:
+    arena = torch.zeros(10, 4)
+    fn = ngr.make_graphed_callable(reads_the_arena_through_as_strided, (arena[:6], arena[6:]),
+                                   mutated_argnums=(0,), name="arena_as_strided")
+    with pytest.raises(ngr.PolicyError, match="user input 1 shares memory with mutated input 0"):
+        fn(arena[:6], arena[6:])

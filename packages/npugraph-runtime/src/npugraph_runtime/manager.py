@@ -38,6 +38,7 @@ from npugraph_runtime.errors import CaptureError, PolicyError
 from npugraph_runtime.graphs import Graph, as_pool_handle, graph, graph_pool_handle
 from npugraph_runtime.inputs import (
     WriteWatch,
+    bytes_overlap,
     mirror,
     mirror_filler,
     non_overlapping,
@@ -130,7 +131,8 @@ class GraphedCallable:
     Threads: one call at a time per GraphedCallable (a lock around each call); a call's results
     stay intact while another thread's calls run, by the rule above.
     Refused at capture (PolicyError): fn writing a user or static input in place (declare it
-    mutated), and a user input sharing memory with a mutated input."""
+    mutated), and a user input sharing bytes with a mutated input (a disjoint view of the same
+    storage is fine, unless the graph reads it through as_strided)."""
 
     def __init__(
         self,
@@ -448,7 +450,11 @@ class GraphedCallable:
         at the caller's offset and strides (the graph reads it through as_strided)."""
         mutated = {storage_ptr(args[i]): i for i in self._mutated}  # type: ignore[arg-type]
         for i in self._user:
-            j = mutated.get(storage_ptr(args[i]))  # type: ignore[arg-type]
+            # a user input read through as_strided may reach any byte of its storage; another
+            # one only its own bytes, so a disjoint view of a mutated input's storage is fine
+            j = next((j for j in self._mutated if (
+                storage_ptr(args[i]) == storage_ptr(args[j])  # type: ignore[arg-type]
+                and (i in mirrored or bytes_overlap(args[i], args[j])))), None)  # type: ignore[arg-type]
             if j is not None and args[i].numel():  # type: ignore[attr-defined]
                 raise PolicyError(
                     f"{self.name}: user input {i} shares memory with mutated input {j}: a replay "
