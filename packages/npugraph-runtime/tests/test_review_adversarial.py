@@ -84,3 +84,24 @@ def test_disjoint_user_input_read_through_as_strided_into_the_mutated_bytes_is_r
                                    mutated_argnums=(0,), name="arena_as_strided")
     with pytest.raises(ngr.PolicyError, match="user input 1 shares memory with mutated input 0"):
         fn(arena[:6], arena[6:])
+
+
+def relu_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x @ w)
+
+
+@torch.no_grad()
+def test_autocast_state_selects_its_own_hand_written_graph() -> None:
+    # captured in float32, then called under bf16 autocast (and back): eager computes in other
+    # dtypes, so a replay of the float32 capture would return float32 values
+    w = torch.randn(16, 8)
+    fn = ngr.make_graphed_callable(relu_matmul, (torch.randn(4, 16), w), static_argnums=(1,),
+                                   name="autocast")
+    for call in range(6):
+        x = torch.randn(4, 16)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=call % 2 == 1):
+            got, want = fn(x, w), relu_matmul(x, w)
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want)
+    assert fn.num_captures == 2
+    assert npugraph_ex_counters()["capture_due_to_new_key_autocast"] == 2
