@@ -63,6 +63,8 @@ def test_round_robin_requests_with_their_own_static_caches(counter: Callable[[st
     for ours, eager in requests:
         torch.testing.assert_close(ours.layers[-1].values, eager.layers[-1].values)
     assert counter("captured_") >= 1
+    # each request's cache gets its own capture once, not a recapture every call
+    assert counter("recapture_due_to_mutated_input_change_") == 2
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])

@@ -4,6 +4,8 @@ capture happened."""
 
 from __future__ import annotations
 
+import weakref
+
 import npugraph_runtime as ngr
 import pytest
 import torch
@@ -105,3 +107,36 @@ def test_autocast_state_selects_its_own_hand_written_graph() -> None:
         torch.testing.assert_close(got, want)
     assert fn.num_captures == 2
     assert npugraph_ex_counters()["capture_due_to_new_key_autocast"] == 2
+
+
+def write_kv(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    cache.index_copy_(0, pos, x)
+    return cache.sum(0) * 1.5
+
+
+@torch.no_grad()
+def test_requests_with_their_own_caches_served_in_turn_replay_their_own_captures() -> None:
+    # three requests, each with its own KV cache (a mutated input), decoded round-robin: each
+    # cache gets its capture once, instead of a recapture on every call
+    caches = [torch.zeros(8, 4) for _ in range(3)]
+    eager = [c.clone() for c in caches]
+    fn = ngr.make_graphed_callable(write_kv, (torch.randn(1, 4), torch.tensor([0]), caches[0]),
+                                   mutated_argnums=(2,), name="requests")
+    for step in range(5):
+        for ours, ref in zip(caches, eager, strict=True):
+            x, pos = torch.randn(1, 4), torch.tensor([step])
+            torch.testing.assert_close(fn(x, pos, ours), write_kv(x, pos, ref))
+            torch.testing.assert_close(ours, ref)
+    assert fn.num_captures == 3
+    assert npugraph_ex_counters()["recapture_due_to_mutated_input_change_requests"] == 2
+    # a finished request drops its cache: the next request's capture replaces that one, so the
+    # dropped cache is not kept alive by the capture
+    dropped = weakref.ref(caches[1])
+    del caches[1], eager[1]
+    fresh, fresh_ref = torch.zeros(8, 4), torch.zeros(8, 4)
+    for step in range(5):
+        x, pos = torch.randn(1, 4), torch.tensor([step])
+        torch.testing.assert_close(fn(x, pos, fresh), write_kv(x, pos, fresh_ref))
+    torch.testing.assert_close(fresh, fresh_ref)
+    assert fn.num_captures == 3
+    assert dropped() is None
