@@ -92,6 +92,13 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
     return start, start + (reach + 1) * t.element_size()
 
 
+def bytes_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The byte ranges ``a`` and ``b`` may touch intersect (disjoint views of one storage, e.g.
+    a cache and a scratch input cut from one arena, do not)."""
+    (a_lo, a_hi), (b_lo, b_hi) = _span(a), _span(b)
+    return a_lo < b_hi and b_lo < a_hi
+
+
 def refiller(
     buffers: Sequence[torch.Tensor],
     copy: Callable[[list[torch.Tensor], Sequence[torch.Tensor]], object],

@@ -3,8 +3,9 @@
 A graph key is a tuple: the values of the symbolic inputs and then their Python types (``2``,
 ``2.0`` and ``True`` are equal in a tuple, but a replay would repeat the captured type), then for
 each tensor with every dim keyed (hand-written capture, where nothing else guards the tensor)
-its rank, sizes, dtype and device, and for each other keyed tensor the sizes of its keyed dims
-(the backend's dynamo guards dtype and device). When nothing is keyed the key is the constant
+its rank, sizes, dtype and device (and, under autocast on the first such tensor's device type,
+the autocast dtype), and for each other keyed tensor the sizes of its keyed dims (the backend's
+dynamo guards dtype, device and autocast). When nothing is keyed the key is the constant
 ``()`` and no key function exists at all."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from npugraph_runtime.spec import InputSpec, SlotKind
 
 Args = tuple[object, ...]
 Key = tuple[object, ...]
+is_autocast_enabled, get_autocast_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
 
 _KEYED_TENSORS = (SlotKind.USER, SlotKind.MUTATED)
 
@@ -68,6 +70,13 @@ def key_function(spec: InputSpec) -> Callable[[Args], Key] | None:
             k.append(t.device)
         for i, d in dims:
             k.append(args[i].shape[d])  # type: ignore[attr-defined]
+        if whole:
+            # hand-written keys: a capture repeats the autocast state it was recorded under (the
+            # dtypes of its ops), so calls under another state get their own graph, as eager
+            # would compute in other dtypes (Dynamo guards this state for the backend)
+            device = args[whole[0]].device.type  # type: ignore[attr-defined]
+            if is_autocast_enabled(device):
+                k.append(get_autocast_dtype(device))
         return tuple(k)
 
     return key

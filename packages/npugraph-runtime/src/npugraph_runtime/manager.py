@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ from npugraph_runtime.errors import CaptureError, PolicyError
 from npugraph_runtime.graphs import Graph, as_pool_handle, graph, graph_pool_handle
 from npugraph_runtime.inputs import (
     WriteWatch,
+    bytes_overlap,
     mirror,
     mirror_filler,
     non_overlapping,
@@ -66,7 +68,7 @@ CAPTURE_RANGE = "npugraph_ex::capture"
 class _Capture:
     """One captured graph and what its replay closure needs kept alive."""
 
-    __slots__ = ("addresses", "args", "buffers", "core_limit", "graph", "holds", "key",
+    __slots__ = ("addresses", "args", "buffers", "callers", "core_limit", "graph", "holds", "key",
                  "mirrored", "outputs", "plan", "replay", "watched_ptrs")
 
     def __init__(
@@ -83,11 +85,18 @@ class _Capture:
             i: a.data_ptr() for i, a in enumerate(args) if isinstance(a, torch.Tensor)
         }
         self.watched_ptrs: list[int] = []
+        # the caller's mutated tensors, weakly: the capture itself holds aliases of them
+        self.callers: list[weakref.ref[torch.Tensor]] = []
         self.core_limit = current_core_limit()
         self.outputs: object = None
         self.holds: Holds | None = None
         self.plan: OutputPlan | None = None
         self.replay: Callable[[Args], object] = _unset
+
+    def dropped(self) -> bool:
+        """The caller let go of a mutated tensor of this capture (a finished request's cache):
+        nothing can call it with those addresses again, so it is the one to replace."""
+        return any(ref() is None for ref in self.callers)
 
     def fits(self, args: Args, watched: Sequence[int]) -> bool:
         """The addresses the replay closure checks are the ones this call passes."""
@@ -113,7 +122,9 @@ class GraphedCallable:
     module class, so each distinct set of static addresses gets its own capture of the key,
     kept beside the others (up to ``capture_limit``). With ``check_static_addresses=False`` only
     the first static input's address is checked (one representative per instance): a re-bound
-    static input other than the first goes unnoticed.
+    static input other than the first goes unnoticed. Mutated inputs' addresses select the
+    capture too while the caller keeps the earlier tensors (requests with their own KV caches);
+    a capture whose mutated tensors the caller dropped is the one replaced.
 
     With ``clone_output=False`` the returned tensors are the graph's static outputs, and a replay
     never changes a value the caller still holds: when a capture's outputs (or views of them)
@@ -130,7 +141,8 @@ class GraphedCallable:
     Threads: one call at a time per GraphedCallable (a lock around each call); a call's results
     stay intact while another thread's calls run, by the rule above.
     Refused at capture (PolicyError): fn writing a user or static input in place (declare it
-    mutated), and a user input sharing memory with a mutated input."""
+    mutated), and a user input sharing bytes with a mutated input (a disjoint view of the same
+    storage is fine, unless the graph reads it through as_strided)."""
 
     def __init__(
         self,
@@ -296,7 +308,13 @@ class GraphedCallable:
             _data_ptr(args[i]) == c.addresses[i] for i in statics)]  # type: ignore[arg-type]
         old = next((c for c in same_statics if c.core_limit == limit), None)
         if old is not None:
-            return self._capture(key, args, MUTATED_INPUT_CHANGE, replacing=old)
+            # other mutated tensors (another request's KV cache): a capture beside the others,
+            # so requests served in turn replay their own; one whose tensors the caller dropped
+            # is replaced, and so is the first at capture_limit
+            gone = next((c for c in same_statics if c.core_limit == limit and c.dropped()), None)
+            if gone is None and self._total < self._policy.capture_limit:
+                return self._capture(key, args, MUTATED_INPUT_CHANGE)
+            return self._capture(key, args, MUTATED_INPUT_CHANGE, replacing=gone or old)
         old = next((c for c in same_statics if c.fits(args, watched)), None)
         if old is not None:
             return self._capture(key, args, CORE_LIMIT_CHANGE, replacing=old)
@@ -397,6 +415,7 @@ class GraphedCallable:
             g.reset()
             mirrored |= raw_reads
         cap = _Capture(key, g, cap_args, buffers, mirrored)
+        cap.callers = [weakref.ref(args[i]) for i in self._mutated]  # type: ignore[arg-type]
         cap.outputs = out
         try:
             cap.replay = self._replay_closure(cap)
@@ -448,7 +467,11 @@ class GraphedCallable:
         at the caller's offset and strides (the graph reads it through as_strided)."""
         mutated = {storage_ptr(args[i]): i for i in self._mutated}  # type: ignore[arg-type]
         for i in self._user:
-            j = mutated.get(storage_ptr(args[i]))  # type: ignore[arg-type]
+            # a user input read through as_strided may reach any byte of its storage; another
+            # one only its own bytes, so a disjoint view of a mutated input's storage is fine
+            j = next((j for j in self._mutated if (
+                storage_ptr(args[i]) == storage_ptr(args[j])  # type: ignore[arg-type]
+                and (i in mirrored or bytes_overlap(args[i], args[j])))), None)  # type: ignore[arg-type]
             if j is not None and args[i].numel():  # type: ignore[attr-defined]
                 raise PolicyError(
                     f"{self.name}: user input {i} shares memory with mutated input {j}: a replay "
@@ -457,6 +480,11 @@ class GraphedCallable:
                 )
         taken = set(mutated) | {storage_ptr(args[i]) for i in self._static}  # type: ignore[arg-type]
         cap_args = list(args)
+        for i in self._mutated:
+            # an alias (same storage, sizes, strides; not a view, which would keep its base
+            # object alive): the capture never keeps the caller's tensor object alive, so a
+            # dropped one is seen (see _Capture.dropped)
+            cap_args[i] = args[i].detach()  # type: ignore[attr-defined]
         buffers: list[torch.Tensor] = []
         for i in self._user:
             x: torch.Tensor = args[i]  # type: ignore[assignment]

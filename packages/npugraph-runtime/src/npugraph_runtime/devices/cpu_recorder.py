@@ -312,12 +312,15 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
     # --- kernel choice across ops ------------------------------------------------------------
     def _expanded_source(self, t: torch.Tensor, before: int) -> torch.Tensor | None:
         """For ``t``, the whole result of a ``clone`` of ``x[:, :, None].expand(..)`` (transformers'
-        repeat_kv), the un-repeated ``x``, when nothing wrote ``x`` between that clone and step
-        ``before``; else None."""
+        repeat_kv), the un-repeated ``x``, when nothing wrote ``x`` or the copy between that clone
+        and step ``before``; else None. Checked on the recording, not on data: a capture on a
+        zero KV cache cannot tell a scaled copy from the cache."""
         si = self._storage_of(t)
         at = self._producer.get(si) if si is not None else None
         if at is None or t.storage_offset() != 0 or not t.is_contiguous():
             return None
+        if self._last_write.get(si) != at:  # type: ignore[arg-type]
+            return None  # the repeated copy was written after the clone (e.g. scaled in place)
         clone = self.steps[at]
         if overload_name(clone.func) != "aten::clone" or not clone.args:
             return None
