@@ -61,6 +61,8 @@ def main() -> None:
             result["ours_tp"] = greedy(tp, compiled, ids, n)
         counters = dict(torch._dynamo.utils.counters["npugraph_ex"])
         result["captured"] = sum(v for k, v in counters.items() if k.startswith("captured_"))
+        result["held_output_captures"] = sum(
+            v for k, v in counters.items() if k.startswith("capture_due_to_held_outputs_"))
         result["fallbacks"] = sum(v for k, v in counters.items() if k.startswith("eager_fallback"))
     except Exception:
         result["crash"] = traceback.format_exc()[-3000:]
