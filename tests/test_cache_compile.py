@@ -286,3 +286,34 @@ def test_ranks_fill_their_folder_and_key_from_the_process_group(tmp_path: Path) 
         data = CacheStore.read(Path(entry))
         assert data is not None and data.metadata["rank"] == f"world2global_rank{rank}"
         assert data.metadata["key"]["rank"] == f"world2global_rank{rank}"
+
+
+def _fresh(decoder: Decoder) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    return [(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)) for _ in range(5)]
+
+
+def test_warm_start_reuses_the_kernel_decisions_its_entry_recorded(
+    tmp_path: Path, decoder: Decoder
+) -> None:
+    from npugraph_runtime.devices import cpu_kernels
+    from torch._dynamo.utils import counters
+
+    first = cache_compile(decoder.decode, cache_dir=tmp_path)
+    first(*_inputs())
+    [path] = first.entry_paths
+    metadata, authenticated = CacheStore.read_metadata(path)
+    stored = metadata["entry_data"]
+    assert authenticated and stored and stored.items() <= cpu_kernels.kernel_decisions().items()
+    # As a fresh process: nothing decided yet. The load seeds the entry's decisions, so the
+    # warm capture times nothing; what it picks is still verified on its data, and correct.
+    cpu_kernels._DECIDED.clear()
+    cpu_kernels._SEEDED.clear()
+    counters.clear()
+    warm = cache_compile(decoder.decode, cache_dir=tmp_path)
+    for args in _fresh(decoder):
+        torch.testing.assert_close(warm(*args), _eager(decoder, *args), rtol=0, atol=0)
+    assert counters["npugraph_ex_cache"]["loaded"] == 1
+    assert sum(v for k, v in counters["npugraph_ex"].items() if k.startswith("capture")) >= 1
+    # the costs are the entry's (a fresh timing would give other nanoseconds), all seeds used
+    assert cpu_kernels.kernel_decisions() == stored and cpu_kernels._SEEDED == {}

@@ -8,6 +8,7 @@ every call, and a call the entries' guards reject compiles (and saves) a new ent
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import inspect
 import os
@@ -51,6 +52,18 @@ MAX_VARIANTS = 8
 
 class CacheWarning(UserWarning):
     """An entry was ignored (and recompiled) or could not be saved."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryData:
+    """What the compiler learns on a fresh entry's first call (for npugraph_ex: the capture's
+    kernel decisions) and wants back before a loaded entry's first call, as plain JSON data.
+    ``export()`` is called after the first call of a freshly compiled entry and stored in the
+    entry's authenticated metadata; ``seed(data)`` gets it back when an entry is loaded (a
+    ValueError there is a CacheWarning, and the entry is still used)."""
+
+    export: Callable[[], Any]
+    seed: Callable[[Any], object]
 
 
 def eager_compile_fn(
@@ -122,6 +135,7 @@ class CacheCompiledFunction:
         custom_decompositions: Mapping[Any, Any] | None,
         compile_fn: CompileFn,
         key_extra: Mapping[str, Any] | None,
+        entry_data: EntryData | None = None,
     ) -> None:
         self._method = func
         self._module: torch.nn.Module = func.__self__  # type: ignore[attr-defined]
@@ -134,6 +148,9 @@ class CacheCompiledFunction:
         self.custom_decompositions = custom_decompositions
         self.compile_fn = compile_fn
         self.key_extra = dict(key_extra or {})
+        self.entry_data = entry_data
+        # (path, metadata, payload) of an entry written before its first call
+        self._unfinished: tuple[Path, dict[str, Any], bytes] | None = None
         self._entries: list[tuple[tuple[Any, ...], Any, Callable[[], bool]]] = []
         self._self_name: str = self._function.__code__.co_varnames[0]
         self.entry_paths: list[Path] = []
@@ -166,7 +183,40 @@ class CacheCompiledFunction:
             if loaded:
                 with _compat.without_first_call_alias_check():
                     return compiled(*call_args, **kwargs)
-            return compiled(*call_args, **kwargs)
+            out = compiled(*call_args, **kwargs)
+            self._finish_entry()
+            return out
+
+    def _finish_entry(self) -> None:
+        """Rewrite the entry just compiled with what its first call taught the compiler."""
+        unfinished, self._unfinished = self._unfinished, None
+        if unfinished is None or self.entry_data is None:
+            return
+        path, metadata, payload = unfinished
+        try:
+            metadata = {**metadata, "entry_data": self.entry_data.export()}
+            data = encode(metadata, payload, self.store.key)
+            with self.store.lock(path.parent):
+                self.store.write(path, data)
+        except Exception as exc:  # the entry as first written stays valid
+            warnings.warn(
+                f"npugraph_ex cache: {self.name}: could not add the first call's data to {path} "
+                f"({type(exc).__name__}: {exc}); a warm start decides it again",
+                CacheWarning,
+                stacklevel=3,
+            )
+
+    def _seed(self, path: Path, data: Any) -> None:
+        if self.entry_data is None or data is None:
+            return
+        try:
+            self.entry_data.seed(data)
+        except ValueError as exc:
+            warnings.warn(
+                f"npugraph_ex cache: {path}: its first-call data is ignored ({exc})",
+                CacheWarning,
+                stacklevel=4,
+            )
 
     # --- obtaining an entry -------------------------------------------------------------------
     def key_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> CacheKey:
@@ -328,6 +378,7 @@ class CacheCompiledFunction:
                 _bump("guard_mismatch")
             return "rejected", None, none
         _bump("loaded")
+        self._seed(path, entry.metadata.get("entry_data"))
         return "hit", compiled, guards
 
     def _compile_and_save(
@@ -402,6 +453,7 @@ class CacheCompiledFunction:
             "value_guards": guards.to_json(),
         }
         self.store.write(path, encode(metadata, payload, self.store.key))
+        self._unfinished = (path, metadata, payload)
         return compiled, guards
 
     def _compile_without_cache(self) -> _Uncached:
@@ -422,6 +474,7 @@ def cache_compile(
     pp_rank: int | None = None,
     compile_fn: CompileFn | None = None,
     key_extra: Mapping[str, Any] | None = None,
+    entry_data: EntryData | None = None,
     **kwargs: Any,
 ) -> CacheCompiledFunction:
     """Compile ``func`` (a bound method of an ``nn.Module``) once and cache it on disk.
@@ -432,7 +485,8 @@ def cache_compile(
     Entries live in ``<cache_dir>/<model_info>/[world<W>global_rank<R>/]<func>/`` (default
     cache_dir ``.npugraph_ex_cache``). ``compile_fn(options, custom_decompositions)`` returns the
     dynamo backend (its result must be serializable by torch's aot_compile); ``key_extra`` is
-    what that backend adds to the key (versions, options hash, pass identities).
+    what that backend adds to the key (versions, options hash, pass identities);
+    ``entry_data`` what it learns on an entry's first call and wants back on a load.
     kwargs: ``options=`` and ``custom_decompositions=`` only.
     """
     unknown = sorted(set(kwargs) - set(_ALLOWED_KWARGS))
@@ -480,6 +534,7 @@ def cache_compile(
         custom_decompositions=decompositions,
         compile_fn=compile_fn or eager_compile_fn,
         key_extra=key_extra,
+        entry_data=entry_data,
     )
 
 
