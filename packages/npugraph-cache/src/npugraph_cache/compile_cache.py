@@ -136,6 +136,7 @@ class CacheCompiledFunction:
         compile_fn: CompileFn,
         key_extra: Mapping[str, Any] | None,
         entry_data: EntryData | None = None,
+        parameter_guards: bool = True,
     ) -> None:
         self._method = func
         self._module: torch.nn.Module = func.__self__  # type: ignore[attr-defined]
@@ -149,6 +150,7 @@ class CacheCompiledFunction:
         self.compile_fn = compile_fn
         self.key_extra = dict(key_extra or {})
         self.entry_data = entry_data
+        self.parameter_guards = parameter_guards
         # (path, metadata, payload) of an entry written before its first call
         self._unfinished: tuple[Path, dict[str, Any], bytes] | None = None
         self._entries: list[tuple[tuple[Any, ...], Any, Callable[[], bool]]] = []
@@ -167,25 +169,30 @@ class CacheCompiledFunction:
         return self.store.func_dir(model_info(self._module, self.dynamic), self.rank, self.name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():  # a server's loop usually runs under no_grad already
+            with torch.no_grad():
+                return self._call(args, kwargs)
+        return self._call(args, kwargs)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         call_args = (self._module, *args)
         signature = value_signature(args, kwargs, self.dynamic)
-        with torch.no_grad():
-            for entry_signature, compiled, values_match in self._entries:
-                if (
-                    entry_signature == signature
-                    and values_match()
-                    and _compat.guard_check(compiled, call_args, kwargs)
-                ):
-                    return compiled(*call_args, **kwargs)
-            compiled, guards, loaded = self._obtain(args, kwargs)
-            check = guards.checker(self._function.__globals__, self._module)
-            self._entries.append((signature, compiled, check))
-            if loaded:
-                with _compat.without_first_call_alias_check():
-                    return compiled(*call_args, **kwargs)
-            out = compiled(*call_args, **kwargs)
-            self._finish_entry()
-            return out
+        for entry_signature, compiled, values_match in self._entries:
+            if (
+                entry_signature == signature
+                and values_match()
+                and _compat.guard_check(compiled, call_args, kwargs)
+            ):
+                return compiled(*call_args, **kwargs)
+        compiled, guards, loaded = self._obtain(args, kwargs)
+        check = guards.checker(self._function.__globals__, self._module)
+        self._entries.append((signature, compiled, check))
+        if loaded:
+            with _compat.without_first_call_alias_check():
+                return compiled(*call_args, **kwargs)
+        out = compiled(*call_args, **kwargs)
+        self._finish_entry()
+        return out
 
     def _finish_entry(self) -> None:
         """Rewrite the entry just compiled with what its first call taught the compiler."""
@@ -404,6 +411,7 @@ class CacheCompiledFunction:
                 self.dynamic,
                 value_guards=lambda kind, name: ValueGuards.kept(kind, name, self_name),
                 recorded=recorded,
+                parameter_guards=self.parameter_guards,
             )
         except Exception as exc:
             cause: BaseException | None = exc
@@ -475,6 +483,7 @@ def cache_compile(
     compile_fn: CompileFn | None = None,
     key_extra: Mapping[str, Any] | None = None,
     entry_data: EntryData | None = None,
+    parameter_guards: bool = True,
     **kwargs: Any,
 ) -> CacheCompiledFunction:
     """Compile ``func`` (a bound method of an ``nn.Module``) once and cache it on disk.
@@ -486,7 +495,9 @@ def cache_compile(
     cache_dir ``.npugraph_ex_cache``). ``compile_fn(options, custom_decompositions)`` returns the
     dynamo backend (its result must be serializable by torch's aot_compile); ``key_extra`` is
     what that backend adds to the key (versions, options hash, pass identities);
-    ``entry_data`` what it learns on an entry's first call and wants back on a load.
+    ``entry_data`` what it learns on an entry's first call and wants back on a load;
+    ``parameter_guards=False`` (for a compile_fn whose runtime checks parameter addresses
+    itself, and which puts that choice in key_extra) keeps no per-call guard on parameters.
     kwargs: ``options=`` and ``custom_decompositions=`` only.
     """
     unknown = sorted(set(kwargs) - set(_ALLOWED_KWARGS))
@@ -535,6 +546,7 @@ def cache_compile(
         compile_fn=compile_fn or eager_compile_fn,
         key_extra=key_extra,
         entry_data=entry_data,
+        parameter_guards=parameter_guards,
     )
 
 
