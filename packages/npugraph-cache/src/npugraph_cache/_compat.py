@@ -158,6 +158,41 @@ def guard_check(compiled: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) ->
     return bool(compiled.guard_check(*args, **kwargs))
 
 
+def guard_checker(compiled: Any) -> Callable[[tuple[Any, ...], dict[str, Any]], bool]:
+    """``guard_check`` for the calls of one compiled function, cheaper on a plain positional call.
+    Checked on torch 2.13.0: ``AOTCompiledFunction.guard_check`` binds the arguments with
+    ``inspect.Signature.bind`` (~3 µs) into the frame locals it hands to
+    ``_artifacts.guard_manager.check(f_locals)``; for a function whose parameters are all
+    positional-or-keyword, without closure cells, called with every argument positionally, those
+    locals are ``dict(zip(names, args))``. Any other call (keywords, defaults, a closure, another
+    torch) takes torch's own path."""
+    import inspect
+
+    def general(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        return bool(compiled.guard_check(*args, **kwargs))
+
+    artifacts = getattr(compiled, "_artifacts", None)
+    manager = getattr(artifacts, "guard_manager", None)
+    signature = getattr(artifacts, "signature", None)
+    env = getattr(artifacts, "runtime_env", None)
+    if manager is None or not isinstance(signature, inspect.Signature) or env is None:
+        return general
+    if getattr(env, "closure", None) or not callable(getattr(manager, "check", None)):
+        return general
+    params = list(signature.parameters.values())
+    if any(p.kind is not inspect.Parameter.POSITIONAL_OR_KEYWORD for p in params):
+        return general
+    names = tuple(p.name for p in params)
+    count, check = len(names), manager.check
+
+    def positional(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        if kwargs or len(args) != count:
+            return general(args, kwargs)
+        return bool(check(dict(zip(names, args, strict=True))))
+
+    return positional
+
+
 def without_first_call_alias_check() -> Any:
     """Checked on torch 2.13.0: ``torch._functorch.config.check_custom_op_aliasing`` makes the
     first invocation of an AOT runtime wrapper run ``_AnalyzeCustomOpInputOutputMode`` over every

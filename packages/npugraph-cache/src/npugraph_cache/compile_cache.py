@@ -153,7 +153,15 @@ class CacheCompiledFunction:
         self.parameter_guards = parameter_guards
         # (path, metadata, payload) of an entry written before its first call
         self._unfinished: tuple[Path, dict[str, Any], bytes] | None = None
-        self._entries: list[tuple[tuple[Any, ...], Any, Callable[[], bool]]] = []
+        # (value signature, compiled, its value guards, its kept guards) per entry in use
+        self._entries: list[
+            tuple[
+                tuple[Any, ...],
+                Any,
+                Callable[[], bool],
+                Callable[[tuple[Any, ...], dict[str, Any]], bool],
+            ]
+        ] = []
         self._self_name: str = self._function.__code__.co_varnames[0]
         self.entry_paths: list[Path] = []
         self.__wrapped__ = func
@@ -177,16 +185,12 @@ class CacheCompiledFunction:
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         call_args = (self._module, *args)
         signature = value_signature(args, kwargs, self.dynamic)
-        for entry_signature, compiled, values_match in self._entries:
-            if (
-                entry_signature == signature
-                and values_match()
-                and _compat.guard_check(compiled, call_args, kwargs)
-            ):
+        for entry_signature, compiled, values_match, guards_pass in self._entries:
+            if entry_signature == signature and values_match() and guards_pass(call_args, kwargs):
                 return compiled(*call_args, **kwargs)
         compiled, guards, loaded = self._obtain(args, kwargs)
         check = guards.checker(self._function.__globals__, self._module)
-        self._entries.append((signature, compiled, check))
+        self._entries.append((signature, compiled, check, _compat.guard_checker(compiled)))
         if loaded:
             with _compat.without_first_call_alias_check():
                 return compiled(*call_args, **kwargs)
