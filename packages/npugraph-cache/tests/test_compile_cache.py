@@ -497,3 +497,11 @@ def test_entry_data_is_stored_after_the_first_call_and_seeded_on_load(
         torch.testing.assert_close(bad(x, kv), _eager(block, x, kv), rtol=0, atol=0)
     [message] = _ours(cache_warnings)
     assert "first-call data is ignored" in message and "malformed" in message
+
+
+def test_keyword_calls_take_torchs_guard_check_and_stay_correct(tmp_path: Path, block: Block) -> None:
+    fn = cache_compile(block.decode, cache_dir=tmp_path)
+    for seq in (4, 4, 6, 6, 4):
+        x, kv = _inputs(seq)
+        torch.testing.assert_close(fn(x, kv=kv), _eager(block, x, kv), rtol=0, atol=0)
+        torch.testing.assert_close(fn(x, kv), _eager(block, x, kv), rtol=0, atol=0)
