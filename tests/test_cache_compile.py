@@ -286,3 +286,123 @@ def test_ranks_fill_their_folder_and_key_from_the_process_group(tmp_path: Path) 
         data = CacheStore.read(Path(entry))
         assert data is not None and data.metadata["rank"] == f"world2global_rank{rank}"
         assert data.metadata["key"]["rank"] == f"world2global_rank{rank}"
+
+
+def _fresh(decoder: Decoder) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(11)
+    return [(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g)) for _ in range(5)]
+
+
+def test_warm_start_reuses_the_kernel_decisions_its_entry_recorded(
+    tmp_path: Path, decoder: Decoder
+) -> None:
+    from npugraph_runtime.devices import cpu_kernels
+    from torch._dynamo.utils import counters
+
+    first = cache_compile(decoder.decode, cache_dir=tmp_path)
+    first(*_inputs())
+    [path] = first.entry_paths
+    metadata, authenticated = CacheStore.read_metadata(path)
+    stored = metadata["entry_data"]
+    assert authenticated and stored and stored.items() <= cpu_kernels.kernel_decisions().items()
+    # As a fresh process: nothing decided yet. The load seeds the entry's decisions, so the
+    # warm capture times nothing; what it picks is still verified on its data, and correct.
+    cpu_kernels._DECIDED.clear()
+    cpu_kernels._SEEDED.clear()
+    counters.clear()
+    warm = cache_compile(decoder.decode, cache_dir=tmp_path)
+    for args in _fresh(decoder):
+        torch.testing.assert_close(warm(*args), _eager(decoder, *args), rtol=0, atol=0)
+    assert counters["npugraph_ex_cache"]["loaded"] == 1
+    assert sum(v for k, v in counters["npugraph_ex"].items() if k.startswith("capture")) >= 1
+    # the costs are the entry's (a fresh timing would give other nanoseconds), all seeds used
+    assert cpu_kernels.kernel_decisions() == stored and cpu_kernels._SEEDED == {}
+
+
+class Served(torch.nn.Module):
+    """Four user inputs and parameters, as bench (a)'s graph, smaller."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+
+    def step(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+        h = a * b + c - d
+        for layer in self.layers:
+            h = torch.relu(layer(h))
+        return h
+
+
+def _served_inputs(
+    n: int, shape: tuple[int, ...] = (8, 16), dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(n)
+    return [[torch.randn(shape, generator=g).to(dtype=dtype, device=device) for _ in range(4)]
+            for _ in range(n)]
+
+
+def _matches_eager(fn: Any, model: Served, calls: list[list[torch.Tensor]]) -> None:
+    for args in calls:
+        with torch.no_grad():
+            expected = model.step(*args)
+        torch.testing.assert_close(fn(*args), expected, rtol=1e-5, atol=1e-6)
+
+
+def _captures() -> int:
+    from torch._dynamo.utils import counters
+
+    return sum(v for k, v in counters["npugraph_ex"].items()
+               if k.startswith(("capture_due", "recapture_due")))
+
+
+@pytest.mark.parametrize("start", ["cold", "warm"])
+def test_serving_path_catches_every_change_that_would_make_a_replay_wrong(
+    tmp_path: Path, start: str
+) -> None:
+    """cache_compile keeps no per-call guard on parameters (the capture manager checks their
+    addresses): each change below still gives a result equal to eager, over >= 5 calls."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = Served().eval()
+    if start == "warm":
+        cache_compile(model.step, dynamic=False, cache_dir=tmp_path)(*_served_inputs(1)[0])
+        counters.clear()
+    fn = cache_compile(model.step, dynamic=False, cache_dir=tmp_path)
+    _matches_eager(fn, model, _served_inputs(5))
+    assert counters["npugraph_ex_cache"]["loaded" if start == "warm" else "compiled"] == 1
+    assert _captures() >= 1
+    # user-input shape and dtype: the kept guards reject the entry, another one is compiled
+    _matches_eager(fn, model, _served_inputs(5, shape=(6, 16)))
+    model.double()
+    _matches_eager(fn, model, _served_inputs(5, dtype=torch.float64))
+    model.float()
+    assert counters["npugraph_ex_cache"]["compiled"] == (2 if start == "warm" else 3)
+    # held outputs: a kept result keeps its values while later calls replay
+    calls = _served_inputs(6)
+    kept = fn(*calls[0])
+    with torch.no_grad():
+        kept_expected = model.step(*calls[0]).clone()
+    _matches_eager(fn, model, calls[1:])
+    torch.testing.assert_close(kept, kept_expected, rtol=1e-5, atol=1e-6)
+    # a re-bound parameter (no frozen_parameter): a capture of its own, the new weight used
+    before = _captures()
+    model.layers[1].weight = torch.nn.Parameter(torch.randn(16, 16), requires_grad=False)
+    _matches_eager(fn, model, _served_inputs(5))
+    model.layers[2].bias.data = torch.randn(16)  # same Parameter, new storage
+    _matches_eager(fn, model, _served_inputs(5))
+    assert _captures() >= before + 2
+    # no recompile for either
+    assert counters["npugraph_ex_cache"]["compiled"] == (2 if start == "warm" else 3)
+
+
+@pytest.mark.cuda
+def test_serving_path_catches_a_user_input_on_another_device(tmp_path: Path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    torch.manual_seed(0)
+    model = Served().eval()
+    fn = cache_compile(model.step, dynamic=False, cache_dir=tmp_path)
+    _matches_eager(fn, model, _served_inputs(5))
+    model.cuda()
+    _matches_eager(fn, model, _served_inputs(5, device="cuda"))

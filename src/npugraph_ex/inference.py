@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from npugraph_backend import CompiledGraph, CompilerConfig, npugraph_ex_backend
 from npugraph_backend.serialization import observe_compiled, pass_identity, versions
-from npugraph_cache import CacheArgumentError, CacheCompiledFunction, readable_cache
+from npugraph_cache import CacheArgumentError, CacheCompiledFunction, EntryData, readable_cache
 from npugraph_cache import cache_compile as _cache_compile
+from npugraph_runtime.devices.cpu_kernels import kernel_decisions, seed_kernel_decisions
 
 __all__ = ["cache_compile", "readable_cache"]
 
@@ -42,6 +43,11 @@ class _Backend:
 
     def readable_code(self) -> str:
         return "\n\n".join(self.codes)
+
+
+# The CPU recorder's kernel choices (timed at capture) go into the entry after its first call; a
+# warm start's capture re-uses them and only verifies them on its own data.
+KERNEL_DECISIONS = EntryData(export=kernel_decisions, seed=seed_kernel_decisions)
 
 
 def _config(options: Mapping[str, Any] | CompilerConfig | None) -> CompilerConfig:
@@ -81,6 +87,7 @@ def cache_compile(
         "config": config.hash(),
         "passes": pass_identity(config),
         "versions": versions(),
+        "parameter_guards": False,
     }
 
     def compile_fn(
@@ -99,5 +106,9 @@ def cache_compile(
         pp_rank=pp_rank,
         compile_fn=compile_fn,
         key_extra=key_extra,
+        entry_data=KERNEL_DECISIONS,
+        # the capture manager checks every parameter's address on each call (a re-bound one is
+        # a new capture): torch's per-call TENSOR_MATCH on 100 parameters would cost ~12 µs
+        parameter_guards=False,
         **kwargs,
     )

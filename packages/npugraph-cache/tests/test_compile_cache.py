@@ -19,6 +19,7 @@ from npugraph_cache import (
     CachePermissionError,
     CacheTypeError,
     CacheWarning,
+    EntryData,
     RngGraphError,
     cache_compile,
     readable_cache,
@@ -470,3 +471,37 @@ def test_cache_dir_that_is_a_file_is_refused_at_the_call(tmp_path: Path, block: 
 def test_readable_cache_bad_argument_names_it(arg: Any, match: str) -> None:
     with pytest.raises(CacheTypeError, match=f"readable_cache: cache_bin must be .*{match}"):
         readable_cache(arg)
+
+
+def test_entry_data_is_stored_after_the_first_call_and_seeded_on_load(
+    tmp_path: Path, block: Block, cache_warnings: list[warnings.WarningMessage]
+) -> None:
+    seeded: list[Any] = []
+    learned = {"decided": [["op", 12]]}
+    data = EntryData(export=lambda: learned, seed=seeded.append)
+    x, kv = _inputs()
+    first = cache_compile(block.decode, cache_dir=tmp_path, entry_data=data)
+    first(x, kv)
+    metadata, authenticated = CacheStore.read_metadata(_entry(first))
+    assert authenticated and metadata["entry_data"] == learned and seeded == []
+    again = cache_compile(block.decode, cache_dir=tmp_path, entry_data=data)
+    torch.testing.assert_close(again(x, kv), _eager(block, x, kv), rtol=0, atol=0)
+    assert seeded == [learned] and _ours(cache_warnings) == []
+
+    def refuse(value: Any) -> None:
+        raise ValueError(f"record {value!r} is malformed")
+
+    bad = cache_compile(block.decode, cache_dir=tmp_path, entry_data=EntryData(lambda: {}, refuse))
+    for _ in range(5):
+        x, kv = _inputs()
+        torch.testing.assert_close(bad(x, kv), _eager(block, x, kv), rtol=0, atol=0)
+    [message] = _ours(cache_warnings)
+    assert "first-call data is ignored" in message and "malformed" in message
+
+
+def test_keyword_calls_take_torchs_guard_check_and_stay_correct(tmp_path: Path, block: Block) -> None:
+    fn = cache_compile(block.decode, cache_dir=tmp_path)
+    for seq in (4, 4, 6, 6, 4):
+        x, kv = _inputs(seq)
+        torch.testing.assert_close(fn(x, kv=kv), _eager(block, x, kv), rtol=0, atol=0)
+        torch.testing.assert_close(fn(x, kv), _eager(block, x, kv), rtol=0, atol=0)

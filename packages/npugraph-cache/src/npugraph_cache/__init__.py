@@ -9,6 +9,7 @@ from npugraph_cache.compile_cache import (
     CacheCompiledFunction,
     CacheWarning,
     CompileFn,
+    EntryData,
     cache_compile,
     eager_compile_fn,
 )
@@ -41,6 +42,7 @@ __all__ = [
     "CacheTypeError",
     "CacheWarning",
     "CompileFn",
+    "EntryData",
     "FormatError",
     "RngGraphError",
     "__version__",

@@ -8,6 +8,7 @@ every call, and a call the entries' guards reject compiles (and saves) a new ent
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import inspect
 import os
@@ -51,6 +52,18 @@ MAX_VARIANTS = 8
 
 class CacheWarning(UserWarning):
     """An entry was ignored (and recompiled) or could not be saved."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EntryData:
+    """What the compiler learns on a fresh entry's first call (for npugraph_ex: the capture's
+    kernel decisions) and wants back before a loaded entry's first call, as plain JSON data.
+    ``export()`` is called after the first call of a freshly compiled entry and stored in the
+    entry's authenticated metadata; ``seed(data)`` gets it back when an entry is loaded (a
+    ValueError there is a CacheWarning, and the entry is still used)."""
+
+    export: Callable[[], Any]
+    seed: Callable[[Any], object]
 
 
 def eager_compile_fn(
@@ -122,6 +135,8 @@ class CacheCompiledFunction:
         custom_decompositions: Mapping[Any, Any] | None,
         compile_fn: CompileFn,
         key_extra: Mapping[str, Any] | None,
+        entry_data: EntryData | None = None,
+        parameter_guards: bool = True,
     ) -> None:
         self._method = func
         self._module: torch.nn.Module = func.__self__  # type: ignore[attr-defined]
@@ -134,7 +149,19 @@ class CacheCompiledFunction:
         self.custom_decompositions = custom_decompositions
         self.compile_fn = compile_fn
         self.key_extra = dict(key_extra or {})
-        self._entries: list[tuple[tuple[Any, ...], Any, Callable[[], bool]]] = []
+        self.entry_data = entry_data
+        self.parameter_guards = parameter_guards
+        # (path, metadata, payload) of an entry written before its first call
+        self._unfinished: tuple[Path, dict[str, Any], bytes] | None = None
+        # (value signature, compiled, its value guards, its kept guards) per entry in use
+        self._entries: list[
+            tuple[
+                tuple[Any, ...],
+                Any,
+                Callable[[], bool],
+                Callable[[tuple[Any, ...], dict[str, Any]], bool],
+            ]
+        ] = []
         self._self_name: str = self._function.__code__.co_varnames[0]
         self.entry_paths: list[Path] = []
         self.__wrapped__ = func
@@ -150,23 +177,57 @@ class CacheCompiledFunction:
         return self.store.func_dir(model_info(self._module, self.dynamic), self.rank, self.name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():  # a server's loop usually runs under no_grad already
+            with torch.no_grad():
+                return self._call(args, kwargs)
+        return self._call(args, kwargs)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         call_args = (self._module, *args)
         signature = value_signature(args, kwargs, self.dynamic)
-        with torch.no_grad():
-            for entry_signature, compiled, values_match in self._entries:
-                if (
-                    entry_signature == signature
-                    and values_match()
-                    and _compat.guard_check(compiled, call_args, kwargs)
-                ):
-                    return compiled(*call_args, **kwargs)
-            compiled, guards, loaded = self._obtain(args, kwargs)
-            check = guards.checker(self._function.__globals__, self._module)
-            self._entries.append((signature, compiled, check))
-            if loaded:
-                with _compat.without_first_call_alias_check():
-                    return compiled(*call_args, **kwargs)
-            return compiled(*call_args, **kwargs)
+        for entry_signature, compiled, values_match, guards_pass in self._entries:
+            if entry_signature == signature and values_match() and guards_pass(call_args, kwargs):
+                return compiled(*call_args, **kwargs)
+        compiled, guards, loaded = self._obtain(args, kwargs)
+        check = guards.checker(self._function.__globals__, self._module)
+        self._entries.append((signature, compiled, check, _compat.guard_checker(compiled)))
+        if loaded:
+            with _compat.without_first_call_alias_check():
+                return compiled(*call_args, **kwargs)
+        out = compiled(*call_args, **kwargs)
+        self._finish_entry()
+        return out
+
+    def _finish_entry(self) -> None:
+        """Rewrite the entry just compiled with what its first call taught the compiler."""
+        unfinished, self._unfinished = self._unfinished, None
+        if unfinished is None or self.entry_data is None:
+            return
+        path, metadata, payload = unfinished
+        try:
+            metadata = {**metadata, "entry_data": self.entry_data.export()}
+            data = encode(metadata, payload, self.store.key)
+            with self.store.lock(path.parent):
+                self.store.write(path, data)
+        except Exception as exc:  # the entry as first written stays valid
+            warnings.warn(
+                f"npugraph_ex cache: {self.name}: could not add the first call's data to {path} "
+                f"({type(exc).__name__}: {exc}); a warm start decides it again",
+                CacheWarning,
+                stacklevel=3,
+            )
+
+    def _seed(self, path: Path, data: Any) -> None:
+        if self.entry_data is None or data is None:
+            return
+        try:
+            self.entry_data.seed(data)
+        except ValueError as exc:
+            warnings.warn(
+                f"npugraph_ex cache: {path}: its first-call data is ignored ({exc})",
+                CacheWarning,
+                stacklevel=4,
+            )
 
     # --- obtaining an entry -------------------------------------------------------------------
     def key_for(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> CacheKey:
@@ -328,6 +389,7 @@ class CacheCompiledFunction:
                 _bump("guard_mismatch")
             return "rejected", None, none
         _bump("loaded")
+        self._seed(path, entry.metadata.get("entry_data"))
         return "hit", compiled, guards
 
     def _compile_and_save(
@@ -353,6 +415,7 @@ class CacheCompiledFunction:
                 self.dynamic,
                 value_guards=lambda kind, name: ValueGuards.kept(kind, name, self_name),
                 recorded=recorded,
+                parameter_guards=self.parameter_guards,
             )
         except Exception as exc:
             cause: BaseException | None = exc
@@ -402,6 +465,7 @@ class CacheCompiledFunction:
             "value_guards": guards.to_json(),
         }
         self.store.write(path, encode(metadata, payload, self.store.key))
+        self._unfinished = (path, metadata, payload)
         return compiled, guards
 
     def _compile_without_cache(self) -> _Uncached:
@@ -422,6 +486,8 @@ def cache_compile(
     pp_rank: int | None = None,
     compile_fn: CompileFn | None = None,
     key_extra: Mapping[str, Any] | None = None,
+    entry_data: EntryData | None = None,
+    parameter_guards: bool = True,
     **kwargs: Any,
 ) -> CacheCompiledFunction:
     """Compile ``func`` (a bound method of an ``nn.Module``) once and cache it on disk.
@@ -432,7 +498,10 @@ def cache_compile(
     Entries live in ``<cache_dir>/<model_info>/[world<W>global_rank<R>/]<func>/`` (default
     cache_dir ``.npugraph_ex_cache``). ``compile_fn(options, custom_decompositions)`` returns the
     dynamo backend (its result must be serializable by torch's aot_compile); ``key_extra`` is
-    what that backend adds to the key (versions, options hash, pass identities).
+    what that backend adds to the key (versions, options hash, pass identities);
+    ``entry_data`` what it learns on an entry's first call and wants back on a load;
+    ``parameter_guards=False`` (for a compile_fn whose runtime checks parameter addresses
+    itself, and which puts that choice in key_extra) keeps no per-call guard on parameters.
     kwargs: ``options=`` and ``custom_decompositions=`` only.
     """
     unknown = sorted(set(kwargs) - set(_ALLOWED_KWARGS))
@@ -480,6 +549,8 @@ def cache_compile(
         custom_decompositions=decompositions,
         compile_fn=compile_fn or eager_compile_fn,
         key_extra=key_extra,
+        entry_data=entry_data,
+        parameter_guards=parameter_guards,
     )
 
 
