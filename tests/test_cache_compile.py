@@ -396,6 +396,34 @@ def test_serving_path_catches_every_change_that_would_make_a_replay_wrong(
     assert counters["npugraph_ex_cache"]["compiled"] == (2 if start == "warm" else 3)
 
 
+@pytest.mark.parametrize("start", ["cold", "warm"])
+def test_serving_path_refuses_a_parameter_re_bound_to_another_layout(
+    tmp_path: Path, start: str
+) -> None:
+    """Without torch's per-parameter guards, a parameter re-bound to another shape or strides
+    would replay a graph made for the old layout: the capture manager refuses it, naming the
+    input, instead of returning a wrong number."""
+    import npugraph_runtime as ngr
+
+    torch.manual_seed(0)
+    model = Served().eval()
+    if start == "warm":
+        cache_compile(model.step, dynamic=False, cache_dir=tmp_path)(*_served_inputs(1)[0])
+    fn = cache_compile(model.step, dynamic=False, cache_dir=tmp_path)
+    _matches_eager(fn, model, _served_inputs(5))
+    assert _captures() >= 1
+    model.layers[1].bias = torch.nn.Parameter(torch.randn(1), requires_grad=False)  # broadcasts
+    with pytest.raises(ngr.PolicyError, match=r"re-bound to a tensor of shape \(1,\)"):
+        fn(*_served_inputs(1)[0])
+    model.layers[1].bias = torch.nn.Parameter(torch.randn(16), requires_grad=False)
+    model.layers[0].weight = torch.nn.Parameter(torch.randn(16, 16).t(), requires_grad=False)
+    with pytest.raises(ngr.PolicyError, match=r"stride \(1, 16\)"):
+        fn(*_served_inputs(1)[0])
+    # the same layout at a new address is a capture of its own, equal to eager
+    model.layers[0].weight = torch.nn.Parameter(torch.randn(16, 16), requires_grad=False)
+    _matches_eager(fn, model, _served_inputs(5))
+
+
 @pytest.mark.cuda
 def test_serving_path_catches_a_user_input_on_another_device(tmp_path: Path) -> None:
     if not torch.cuda.is_available():

@@ -303,6 +303,7 @@ class GraphedCallable:
         watched = self._watched
         if any(c.core_limit == limit and c.fits(args, watched) for c in caps):
             return self._another(key, args, HELD_OUTPUTS)
+        self._same_layouts(args, caps[0])
         statics = [i for i in watched if i not in self._mutated]
         same_statics = [c for c in caps if all(
             _data_ptr(args[i]) == c.addresses[i] for i in statics)]  # type: ignore[arg-type]
@@ -319,6 +320,27 @@ class GraphedCallable:
         if old is not None:
             return self._capture(key, args, CORE_LIMIT_CHANGE, replacing=old)
         return self._another(key, args, STATIC_INPUT_CHANGE)
+
+    def _same_layouts(self, args: Args, first: _Capture) -> None:
+        """A static or mutated input at a new address must have the layout the graph was made
+        for: a graph traced for one shape replayed (or captured) on another gives wrong numbers
+        or crashes, and under cache_compile's serving path no guard of torch's checks a
+        parameter's shape on every call."""
+        for i in (*self._static, *self._mutated):
+            new, was = args[i], first.args[i]
+            if not isinstance(new, torch.Tensor) or not isinstance(was, torch.Tensor):
+                continue
+            got = (tuple(new.shape), new.stride(), new.dtype, new.device)
+            want = (tuple(was.shape), was.stride(), was.dtype, was.device)
+            if got != want:
+                kind = "mutated" if i in self._mutated else "static"
+                raise PolicyError(
+                    f"{self.name}: {kind} input {i} (a parameter, buffer or cache) was re-bound to "
+                    f"a tensor of shape {got[0]}, stride {got[1]}, {got[2]} on {got[3]}, but the "
+                    f"graph was made for shape {want[0]}, stride {want[1]}, {want[2]} on "
+                    f"{want[3]}. Re-bind it to a tensor of the same layout (copy_ into it), or "
+                    "compile again for the new layout"
+                )
 
     def _another(self, key: Key, args: Args, reason: str) -> object:
         """One more capture of ``key`` beside the others, within capture_limit."""
