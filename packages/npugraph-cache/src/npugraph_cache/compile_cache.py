@@ -21,12 +21,12 @@ import torch
 
 from npugraph_cache import _compat
 from npugraph_cache.__about__ import __version__
+from npugraph_cache.entries import EntryReader, bump
 from npugraph_cache.errors import (
     CacheArgumentError,
-    CacheEntryError,
     CachePermissionError,
     CacheTypeError,
-    FormatError,
+    CacheWarning,
     describe,
 )
 from npugraph_cache.format import encode
@@ -41,17 +41,15 @@ from npugraph_cache.keys import (
 )
 from npugraph_cache.rng import RngGraphError, refuse_rng
 from npugraph_cache.store import CacheStore, check_owned
+from npugraph_cache.variants import load_any
+
+__all__ = ["Backend", "CacheCompiledFunction", "CacheWarning", "CompileFn", "EntryData",
+           "cache_compile", "check_cache_dir", "check_decompositions", "eager_compile_fn"]
 
 Backend = Callable[[torch.fx.GraphModule, list[Any]], Any]
 CompileFn = Callable[[Mapping[str, Any] | None, Mapping[Any, Any] | None], Backend]
 
 _ALLOWED_KWARGS = ("options", "custom_decompositions")
-COUNTERS = "npugraph_ex_cache"
-MAX_VARIANTS = 8
-
-
-class CacheWarning(UserWarning):
-    """An entry was ignored (and recompiled) or could not be saved."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,10 +84,6 @@ def eager_compile_fn(
 
 def _eager_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
     return _compat.eager_serializable(gm)
-
-
-def _bump(name: str) -> None:
-    _compat.dynamo_counters()[COUNTERS][name] += 1
 
 
 _NOT_SAVABLE = ("BypassAOTAutogradCache", "PackageError")
@@ -259,23 +253,21 @@ class CacheCompiledFunction:
         key = self.key_for(args, kwargs)
         func_dir = self.func_dir
         call_args = (self._module, *args)
-        warned: set[str] = set()
-        stale: list[str] = []
+        reader = EntryReader(
+            self.store, self._self_name, self._function.__globals__, self._module, self._seed
+        )
         loaded = True
         try:
             self.store.ensure_dir(func_dir)
-            compiled, guards, path = self._load_any(func_dir, key, call_args, kwargs, warned, stale)
+            compiled, guards, path = load_any(reader, func_dir, key, call_args, kwargs)
             if compiled is None:
                 # Writers queue here; whoever comes second finds the first one's entry, loads it.
                 with self.store.lock(func_dir):
-                    compiled, guards, path = self._load_any(
-                        func_dir, key, call_args, kwargs, warned, stale
-                    )
+                    compiled, guards, path = load_any(reader, func_dir, key, call_args, kwargs)
                     if compiled is None:
-                        if stale:
-                            self._reject(
-                                warned,
-                                f"npugraph_ex cache: {self.name}: {stale[0]}; recompiling",
+                        if reader.stale:
+                            reader.reject(
+                                f"npugraph_ex cache: {self.name}: {reader.stale[0]}; recompiling"
                             )
                         compiled, guards = self._compile_and_save(path, key, args, kwargs)
                         loaded = False
@@ -290,107 +282,6 @@ class CacheCompiledFunction:
         if not isinstance(compiled, _Uncached):
             self.entry_paths.append(path)
         return compiled, guards, loaded
-
-    def _load_any(
-        self,
-        func_dir: Path,
-        key: CacheKey,
-        call_args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        warned: set[str],
-        stale: list[str],
-    ) -> tuple[Any, ValueGuards, Path]:
-        """(compiled, its value guards, its path) on a hit; (None, _, where to write) on a miss.
-        One key can hold several variants: guards the key cannot see (an int dynamo
-        specialised, global state, the values of globals and module attributes) select among
-        them; a broken variant's file is reused, else the next free name. ``stale`` collects
-        why variants' value guards failed (for the one warning of a recompile)."""
-        digest = key.digest()
-        broken: Path | None = None
-        none = ValueGuards(self._self_name, (), ())
-        for variant in range(MAX_VARIANTS):
-            path = self.store.entry_path(func_dir, digest, variant)
-            status, compiled, guards = self._try_load(
-                path, key, call_args, kwargs, warned, stale
-            )
-            if status == "hit":
-                return compiled, guards, path
-            if status == "missing":
-                return None, none, broken or path
-            if status == "broken" and broken is None:
-                broken = path
-        return None, none, broken or self.store.entry_path(func_dir, digest, 0)
-
-    def _reject(self, warned: set[str], message: str) -> None:
-        """One warning (and one count) per rejected entry, though it is read twice (before and
-        after taking the lock)."""
-        if message not in warned:
-            warned.add(message)
-            _bump("rejected")
-            warnings.warn(message, CacheWarning, stacklevel=4)
-
-    def _try_load(
-        self,
-        path: Path,
-        key: CacheKey,
-        call_args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        warned: set[str],
-        stale: list[str],
-    ) -> tuple[str, Any, ValueGuards]:
-        """("hit", compiled, guards) | ("missing", ...) | ("broken", ...) with one warning |
-        ("rejected", ...) when a valid variant's guards reject these inputs or the values of
-        the globals and attributes it read. Nothing is unpickled unless the entry's tag
-        verifies with the user's key and its value guards pass."""
-        none = ValueGuards(self._self_name, (), ())
-        try:
-            entry = self.store.read(path)
-        except CacheEntryError as exc:
-            self._reject(warned, f"npugraph_ex cache: ignoring {exc}; recompiling")
-            return "broken", None, none
-        if entry is None:
-            return "missing", None, none
-        stored = entry.metadata.get("key")
-        if not isinstance(stored, dict) or CacheKey(stored).digest() != key.digest():
-            self._reject(
-                warned, f"npugraph_ex cache: ignoring {path}: its key does not match; recompiling"
-            )
-            return "broken", None, none
-        try:
-            guards = ValueGuards.from_json(entry.metadata.get("value_guards"))
-        except FormatError as exc:
-            self._reject(warned, f"npugraph_ex cache: ignoring {path}: {exc}; recompiling")
-            return "broken", None, none
-        changed_value = guards.mismatch(self._function.__globals__, self._module)
-        if changed_value is not None:
-            if changed_value not in stale:
-                stale.append(changed_value)
-            return "rejected", None, none
-        try:
-            compiled = _compat.load_compiled(entry.payload, self._function.__globals__)
-        except Exception as exc:  # torch raises many types here (pickle, version checks)
-            self._reject(
-                warned,
-                f"npugraph_ex cache: ignoring {path}: cannot be loaded "
-                f"({type(exc).__name__}: {exc}); recompiling",
-            )
-            return "broken", None, none
-        changed = _compat.changed_sources(compiled)
-        if changed:
-            self._reject(
-                warned,
-                f"npugraph_ex cache: ignoring {path}: the code it traced has changed since "
-                f"({'; '.join(changed[:3])}); recompiling",
-            )
-            return "broken", None, none
-        if not _compat.guard_check(compiled, call_args, kwargs):
-            if str(path) not in warned:
-                warned.add(str(path))
-                _bump("guard_mismatch")
-            return "rejected", None, none
-        _bump("loaded")
-        self._seed(path, entry.metadata.get("entry_data"))
-        return "hit", compiled, guards
 
     def _compile_and_save(
         self, path: Path, key: CacheKey, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -434,7 +325,7 @@ class CacheCompiledFunction:
                     return self._compile_without_cache(), ValueGuards(self_name, (), ())
                 cause = cause.__cause__ or cause.__context__
             raise
-        _bump("compiled")
+        bump("compiled")
         guards = ValueGuards.from_recorded(
             recorded, self_name, self._function.__globals__, self._module
         )

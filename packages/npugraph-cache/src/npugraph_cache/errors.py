@@ -44,3 +44,7 @@ def describe(value: object) -> str:
     if len(text) > 80:
         text = text[:77] + "..."
     return f"{type(value).__name__} {text}"
+
+
+class CacheWarning(UserWarning):
+    """An entry was ignored (and recompiled) or could not be saved."""

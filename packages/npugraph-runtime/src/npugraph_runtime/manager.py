@@ -3,7 +3,9 @@
 A GraphedCallable owns every capture of one callable. The first call for a graph key warms up
 and captures; every later call runs one precomputed closure for its key: check the addresses the
 capture depends on, copy the user inputs into the capture's buffers, replay, return the outputs.
-Everything else is decided at capture time."""
+Everything else is decided at capture time: capture.py makes a capture, selection.py picks
+which capture of a key serves a call its last one could not replay, outputs.py plans what a
+replay returns."""
 
 from __future__ import annotations
 
@@ -11,24 +13,21 @@ import dataclasses
 import functools
 import sys
 import threading
-import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from npugraph_runtime import _compat
 from npugraph_runtime.callsite import warn_at_caller
+from npugraph_runtime.capture import Capture, Slots, record, warm_up
 from npugraph_runtime.core_limit import current_core_limit
 from npugraph_runtime.counters import (
     CAPTURE_LIMIT,
-    CORE_LIMIT_CHANGE,
     FORCE_EAGER,
     FORCE_RECAPTURE,
     HELD_OUTPUTS,
-    MUTATED_INPUT_CHANGE,
     NEW_KEY,
-    STATIC_INPUT_CHANGE,
     CaptureEvent,
     CounterNames,
     default_name,
@@ -36,18 +35,11 @@ from npugraph_runtime.counters import (
 )
 from npugraph_runtime.devices.base import DeviceGraph, PoolHandle
 from npugraph_runtime.errors import CaptureError, PolicyError
-from npugraph_runtime.graphs import Graph, as_pool_handle, graph, graph_pool_handle
-from npugraph_runtime.inputs import (
-    WriteWatch,
-    bytes_overlap,
-    mirror,
-    mirror_filler,
-    non_overlapping,
-    refiller,
-    storage_ptr,
-)
+from npugraph_runtime.graphs import as_pool_handle, graph_pool_handle
+from npugraph_runtime.inputs import mirror_filler, refiller
 from npugraph_runtime.keys import Args, Key, key_function, picker
-from npugraph_runtime.outputs import Holds, OutputPlan, output_plan
+from npugraph_runtime.outputs import OutputPlan, output_plan
+from npugraph_runtime.selection import choose
 from npugraph_runtime.spec import CapturePolicy, InputSpec, OutputSpec, SlotKind
 
 __all__ = ["CaptureEvent", "GraphedCallable", "make_graphed_callable"]
@@ -60,51 +52,8 @@ _MISS: Any = object()
 _TENSOR_KINDS = (SlotKind.STATIC, SlotKind.MUTATED, SlotKind.USER)
 
 
-# Profiler range names (what a trace shows); the backend's compile phases use the same prefix.
+# Profiler range name (what a trace shows); the backend's compile phases use the same prefix.
 REPLAY_RANGE = "npugraph_ex::replay"
-CAPTURE_RANGE = "npugraph_ex::capture"
-
-
-class _Capture:
-    """One captured graph and what its replay closure needs kept alive."""
-
-    __slots__ = ("addresses", "args", "buffers", "callers", "core_limit", "graph", "holds", "key",
-                 "mirrored", "outputs", "plan", "replay", "watched_ptrs")
-
-    def __init__(
-        self, key: Key, graph: DeviceGraph, args: list[object], buffers: list[torch.Tensor],
-        mirrored: frozenset[int],
-    ) -> None:
-        self.key = key
-        self.graph = graph
-        self.args = args  # what the graph saw: static/mutated inputs in place, user buffers
-        self.buffers = buffers
-        self.mirrored = mirrored  # user inputs whose buffer mirrors the caller's whole storage
-        # input index -> data_ptr at capture, for the inputs the graph uses in place
-        self.addresses = {
-            i: a.data_ptr() for i, a in enumerate(args) if isinstance(a, torch.Tensor)
-        }
-        self.watched_ptrs: list[int] = []
-        # the caller's mutated tensors, weakly: the capture itself holds aliases of them
-        self.callers: list[weakref.ref[torch.Tensor]] = []
-        self.core_limit = current_core_limit()
-        self.outputs: object = None
-        self.holds: Holds | None = None
-        self.plan: OutputPlan | None = None
-        self.replay: Callable[[Args], object] = _unset
-
-    def dropped(self) -> bool:
-        """The caller let go of a mutated tensor of this capture (a finished request's cache):
-        nothing can call it with those addresses again, so it is the one to replace."""
-        return any(ref() is None for ref in self.callers)
-
-    def fits(self, args: Args, watched: Sequence[int]) -> bool:
-        """The addresses the replay closure checks are the ones this call passes."""
-        return [_data_ptr(args[i]) for i in watched] == self.watched_ptrs  # type: ignore[arg-type]
-
-
-def _unset(args: Args) -> object:
-    raise CaptureError("internal: a capture's replay closure was used before it was built")
 
 
 class GraphedCallable:
@@ -167,18 +116,11 @@ class GraphedCallable:
         self._warned_held = False
         self._pool: PoolHandle | None = None
         self._n = len(spec.kinds)
-        kinds = spec.kinds
-        self._user = [i for i, k in enumerate(kinds) if k is SlotKind.USER]
-        self._mutated = [i for i, k in enumerate(kinds) if k is SlotKind.MUTATED]
-        self._static = [i for i, k in enumerate(kinds) if k is SlotKind.STATIC]
-        self._constant = [i for i, k in enumerate(kinds) if k is SlotKind.CONSTANT]
-        # Inputs the graph uses in place whose address the replay path checks.
-        checked_static = self._static if policy.check_static_addresses else self._static[:1]
-        self._watched = sorted(self._mutated + checked_static)
+        self._slots = Slots(spec, policy)
         self._key = key_function(spec)
         self._copy = _compat.foreach_copy()
         self._ptrs_equal = _checked_ptrs_equal()
-        self._captures: dict[Key, list[_Capture]] = {}
+        self._captures: dict[Key, list[Capture]] = {}
         self._total = 0
         # key -> replay closure of the capture last used for it: the only thing the hot path
         # looks up.
@@ -205,36 +147,37 @@ class GraphedCallable:
                 return self._reselect(key, args, run)
             return out
 
-    def _replay_closure(self, cap: _Capture) -> Callable[[Args], object]:
+    def _replay_closure(self, cap: Capture) -> Callable[[Args], object]:
         replay = cap.graph.replay
         core_limit, captured_limit = current_core_limit, cap.core_limit
         # Inputs the graph uses in place: their addresses at capture, checked in one C++ call
         # where torch has one, else in one pass of data_ptr (~55 ns a tensor).
-        watched = self._watched
+        slots = self._slots
+        watched = slots.watched
         cap.watched_ptrs = watched_ptrs = [cap.addresses[i] for i in watched]
-        pick_watched = picker(watched)
+        pick_watched = _tensor_picker(watched)
         all_equal = self._ptrs_equal if watched else None
         by_slot: list[int | None] = [cap.addresses.get(i) if i in watched else None
                                      for i in range(self._n)]
-        plain_slots = [i for i in self._user if i not in cap.mirrored]
-        pick_user = picker(plain_slots)
-        buffers = [b for i, b in zip(self._user, cap.buffers, strict=True) if i not in cap.mirrored]
+        plain_slots = [i for i in slots.user if i not in cap.mirrored]
+        pick_user = _tensor_picker(plain_slots)
+        buffers = [b for i, b in zip(slots.user, cap.buffers, strict=True) if i not in cap.mirrored]
         copy = self._copy
         always_copy = self._policy.clone_input  # owned buffers never equal a caller's tensor
         unchanged, refill = refiller(buffers, copy, plain_slots)
         mirrored = sorted(cap.mirrored)
-        pick_mirrored = picker(mirrored)
+        pick_mirrored = _tensor_picker(mirrored)
         fill_mirrors = mirror_filler(
-            [cap.buffers[self._user.index(i)] for i in mirrored], mirrored, self.name)
+            [cap.buffers[slots.user.index(i)] for i in mirrored], mirrored, self.name)
         cap.plan = plan = self._output_plan(cap)
         result, build, holds = plan.result, plan.build, plan.holds
         cap.holds = holds
         # What tells whether the caller still holds the previous replay's outputs (outputs.py)
-        held_objects = holds.objects if holds is not None else None
+        held_objects = holds.objects if holds is not None else []
         held_storages = holds.cdatas if holds is not None else []
         refcount, use_count = sys.getrefcount, _compat.storage_use_count()
         data_ptr = _data_ptr
-        pick_constants = picker(self._constant)
+        pick_constants = picker(slots.constant)
         constants = pick_constants(tuple(cap.args)) if pick_constants is not None else ()
         changed_constant = self._changed_constant
 
@@ -256,30 +199,30 @@ class GraphedCallable:
                 return _MISS
             # the caller still holds the previous replay's outputs: checked first, it is the
             # cheap test that makes a decode loop move to the other capture of the key
-            if held_objects is not None and (
+            if holds is not None and (
                 list(map(refcount, held_objects)), list(map(use_count, held_storages))
-            ) != holds.base:  # type: ignore[union-attr]
+            ) != holds.base:
                 return _MISS
             if all_equal is not None:
                 if not all_equal(list(args), by_slot, watched):
                     return _MISS
-            elif pick_watched is not None and list(map(data_ptr, pick_watched(args))) != watched_ptrs:  # type: ignore[arg-type]
+            elif pick_watched is not None and list(map(data_ptr, pick_watched(args))) != watched_ptrs:
                 return _MISS
             if pick_user is not None:
                 sources = pick_user(args)
                 if always_copy:
-                    copy(buffers, sources)  # type: ignore[arg-type]
-                elif not unchanged(sources):  # type: ignore[arg-type]
-                    refill(sources)  # type: ignore[arg-type]
+                    copy(buffers, sources)
+                elif not unchanged(sources):
+                    refill(sources)
             if pick_mirrored is not None:
-                fill_mirrors(pick_mirrored(args))  # type: ignore[arg-type]
+                fill_mirrors(pick_mirrored(args))
             replay()
             return result if build is None else build(args)
 
         return run
 
     def _changed_constant(self, args: Args, constants: tuple[object, ...]) -> None:
-        for i, was in zip(self._constant, constants, strict=True):
+        for i, was in zip(self._slots.constant, constants, strict=True):
             if not _equal((args[i],), (was,)):
                 raise PolicyError(
                     f"{self.name}: constant input {i} is {args[i]!r} but the graph was captured "
@@ -299,48 +242,11 @@ class GraphedCallable:
                 if out is not _MISS:
                     self._runs[key] = c.replay
                     return out
-        limit = current_core_limit()
-        watched = self._watched
-        if any(c.core_limit == limit and c.fits(args, watched) for c in caps):
-            return self._another(key, args, HELD_OUTPUTS)
-        self._same_layouts(args, caps[0])
-        statics = [i for i in watched if i not in self._mutated]
-        same_statics = [c for c in caps if all(
-            _data_ptr(args[i]) == c.addresses[i] for i in statics)]  # type: ignore[arg-type]
-        old = next((c for c in same_statics if c.core_limit == limit), None)
-        if old is not None:
-            # other mutated tensors (another request's KV cache): a capture beside the others,
-            # so requests served in turn replay their own; one whose tensors the caller dropped
-            # is replaced, and so is the first at capture_limit
-            gone = next((c for c in same_statics if c.core_limit == limit and c.dropped()), None)
-            if gone is None and self._total < self._policy.capture_limit:
-                return self._capture(key, args, MUTATED_INPUT_CHANGE)
-            return self._capture(key, args, MUTATED_INPUT_CHANGE, replacing=gone or old)
-        old = next((c for c in same_statics if c.fits(args, watched)), None)
-        if old is not None:
-            return self._capture(key, args, CORE_LIMIT_CHANGE, replacing=old)
-        return self._another(key, args, STATIC_INPUT_CHANGE)
-
-    def _same_layouts(self, args: Args, first: _Capture) -> None:
-        """A static or mutated input at a new address must have the layout the graph was made
-        for: a graph traced for one shape replayed (or captured) on another gives wrong numbers
-        or crashes, and under cache_compile's serving path no guard of torch's checks a
-        parameter's shape on every call."""
-        for i in (*self._static, *self._mutated):
-            new, was = args[i], first.args[i]
-            if not isinstance(new, torch.Tensor) or not isinstance(was, torch.Tensor):
-                continue
-            got = (tuple(new.shape), new.stride(), new.dtype, new.device)
-            want = (tuple(was.shape), was.stride(), was.dtype, was.device)
-            if got != want:
-                kind = "mutated" if i in self._mutated else "static"
-                raise PolicyError(
-                    f"{self.name}: {kind} input {i} (a parameter, buffer or cache) was re-bound to "
-                    f"a tensor of shape {got[0]}, stride {got[1]}, {got[2]} on {got[3]}, but the "
-                    f"graph was made for shape {want[0]}, stride {want[1]}, {want[2]} on "
-                    f"{want[3]}. Re-bind it to a tensor of the same layout (copy_ into it), or "
-                    "compile again for the new layout"
-                )
+        choice = choose(self.name, self._slots, caps, args, current_core_limit(),
+                        self._total < self._policy.capture_limit)
+        if choice.replacing is None:
+            return self._another(key, args, choice.reason)
+        return self._capture(key, args, choice.reason, replacing=choice.replacing)
 
     def _another(self, key: Key, args: Args, reason: str) -> object:
         """One more capture of ``key`` beside the others, within capture_limit."""
@@ -377,7 +283,7 @@ class GraphedCallable:
         return self._capture(key, args, NEW_KEY)
 
     def _capture(
-        self, key: Key, args: Args, reason: str, replacing: _Capture | None = None
+        self, key: Key, args: Args, reason: str, replacing: Capture | None = None
     ) -> object:
         """Capture ``key`` (beside its other captures, or replacing ``replacing``) and return the
         call's result.
@@ -387,7 +293,9 @@ class GraphedCallable:
         force_recapture shows what a fresh capture computes (the triage recipe relies on it)."""
         self._check_kinds(args)
         result = self._warm_up(args) if reason == NEW_KEY else _NO_RESULT
-        cap = self._record(key, args)
+        device = self._device_for(args)
+        cap = record(self._fn, self.name, self._spec, self._policy, self._slots, key, args,
+                     device, self._pool_for(device), self._replay_closure)
         caps = self._captures.setdefault(key, [])
         if replacing is not None and replacing in caps:
             caps[caps.index(replacing)] = cap
@@ -416,119 +324,15 @@ class GraphedCallable:
         runs = self._policy.warmup
         if runs == 0:
             return _NO_RESULT
-        if runs > 1:
-            # Every run but the last is undone, so side effects land once, as in eager.
-            mutated: list[torch.Tensor] = [args[i] for i in self._mutated]  # type: ignore[misc]
-            snapshot = [t.clone() for t in mutated]
-            for _ in range(runs - 1):
-                self._fn(*args)
-                for t, s in zip(mutated, snapshot, strict=True):
-                    t.copy_(s)
-        return self._fn(*args)
+        return warm_up(self._fn, args, self._slots, runs)
 
-    def _record(self, key: Key, args: Args) -> _Capture:
-        """Capture once; again, with mirrored buffers, when the graph turns out to read a user
-        input through as_strided (at storage positions a dense buffer does not have)."""
-        mirrored: frozenset[int] = frozenset()
-        while True:
-            g, out, cap_args, buffers, raw_reads = self._record_once(args, mirrored)
-            if raw_reads <= mirrored:
-                break
-            g.reset()
-            mirrored |= raw_reads
-        cap = _Capture(key, g, cap_args, buffers, mirrored)
-        cap.callers = [weakref.ref(args[i]) for i in self._mutated]  # type: ignore[arg-type]
-        cap.outputs = out
-        try:
-            cap.replay = self._replay_closure(cap)
-        except BaseException:
-            g.reset()
-            raise
-        return cap
-
-    def _record_once(
-        self, args: Args, mirrored: frozenset[int]
-    ) -> tuple[DeviceGraph, object, list[object], list[torch.Tensor], frozenset[int]]:
-        device = self._device_for(args)
-        cap_args, buffers = self._buffers(args, mirrored)
-        # statics and user buffers must not be written: replays would not write the caller's
-        # tensor (user) or would repeat the write warmups already made (static)
-        mutated = {storage_ptr(args[i]) for i in self._mutated}  # type: ignore[arg-type]
-        users = {storage_ptr(b): i for i, b in zip(self._user, buffers, strict=True)}
-        watched = dict(users)
-        for i in self._static:
-            watched.setdefault(storage_ptr(args[i]), i)  # type: ignore[arg-type]
-        watch = WriteWatch({p: i for p, i in watched.items() if p and p not in mutated},
-                           {p: i for p, i in users.items() if p})
-        g = Graph(device)
-        with (
-            torch.profiler.record_function(CAPTURE_RANGE),
-            graph(g, pool=self._pool_for(device), capture_error_mode=self._policy.capture_error_mode),
-            watch,
-        ):
-            out = self._fn(*cap_args)
-        if watch.written:
-            g.reset()
-            i, op = next(iter(watch.written.items()))
-            raise PolicyError(
-                f"{self.name}: fn writes input {i} in place ({op}), but the InputSpec makes it "
-                f"{self._spec.kinds[i].value}: a replay would not write the caller's tensor like "
-                "eager does. Declare it mutated (make_graphed_callable(mutated_argnums=...), "
-                "SlotKind.MUTATED) or do not write it"
-            )
-        return g, out, cap_args, buffers, frozenset(watch.raw_reads)
-
-    def _buffers(
-        self, args: Args, mirrored: frozenset[int] = frozenset()
-    ) -> tuple[list[object], list[torch.Tensor]]:
-        """The arguments a capture runs on and its user-input buffers. A buffer is the caller's
-        own tensor only under clone_input=False, and only when no other input shares its memory
-        and no two of its elements overlap; otherwise it is an owned copy with the caller's
-        layout (made dense), so that refilling it never writes memory another input (or another
-        element) is read from. A ``mirrored`` input's buffer copies the caller's whole storage
-        at the caller's offset and strides (the graph reads it through as_strided)."""
-        mutated = {storage_ptr(args[i]): i for i in self._mutated}  # type: ignore[arg-type]
-        for i in self._user:
-            # a user input read through as_strided may reach any byte of its storage; another
-            # one only its own bytes, so a disjoint view of a mutated input's storage is fine
-            j = next((j for j in self._mutated if (
-                storage_ptr(args[i]) == storage_ptr(args[j])  # type: ignore[arg-type]
-                and (i in mirrored or bytes_overlap(args[i], args[j])))), None)  # type: ignore[arg-type]
-            if j is not None and args[i].numel():  # type: ignore[attr-defined]
-                raise PolicyError(
-                    f"{self.name}: user input {i} shares memory with mutated input {j}: a replay "
-                    f"reads input {i} as copied before fn writes input {j}, eager reads it after. "
-                    f"Pass input {i} as a separate tensor, or mark it mutated too"
-                )
-        taken = set(mutated) | {storage_ptr(args[i]) for i in self._static}  # type: ignore[arg-type]
-        cap_args = list(args)
-        for i in self._mutated:
-            # an alias (same storage, sizes, strides; not a view, which would keep its base
-            # object alive): the capture never keeps the caller's tensor object alive, so a
-            # dropped one is seen (see _Capture.dropped)
-            cap_args[i] = args[i].detach()  # type: ignore[attr-defined]
-        buffers: list[torch.Tensor] = []
-        for i in self._user:
-            x: torch.Tensor = args[i]  # type: ignore[assignment]
-            ptr = storage_ptr(x)
-            if i in mirrored:
-                x = mirror(x)
-                cap_args[i] = x
-            elif self._policy.clone_input or (ptr and ptr in taken) or not non_overlapping(x):
-                # the graph may depend on the input's layout (a traced view): keep its strides
-                # when dense, else dense strides in the same dim order
-                x = torch.empty_like(x, memory_format=torch.preserve_format).copy_(x)
-                cap_args[i] = x
-            taken.add(ptr)
-            buffers.append(x)
-        return cap_args, buffers
-
-    def _output_plan(self, cap: _Capture) -> OutputPlan:
-        in_place = {i for i in self._static + self._mutated}
+    def _output_plan(self, cap: Capture) -> OutputPlan:
+        slots = self._slots
+        in_place = {i for i in slots.static + slots.mutated}
         if not self._policy.clone_input:
-            in_place.update(i for i in self._user if i not in cap.mirrored)
+            in_place.update(i for i in slots.user if i not in cap.mirrored)
         declared = self._output_spec.aliases_input if self._output_spec is not None else ()
-        return output_plan(cap.outputs, self.name, cap.args, self._user, cap.buffers, in_place,
+        return output_plan(cap.outputs, self.name, cap.args, slots.user, cap.buffers, in_place,
                            declared, self._policy.clone_output)
 
     # ---- fallback, pools, bookkeeping ---------------------------------------------------
@@ -625,6 +429,11 @@ class GraphedCallable:
             f"GraphedCallable({self.name!r}, captures={self._total}, "
             f"fell_back={self.fell_back})"
         )
+
+
+def _tensor_picker(indices: Sequence[int]) -> Callable[[Args], tuple[torch.Tensor, ...]] | None:
+    """``picker`` for inputs the InputSpec makes tensors (checked before any capture)."""
+    return cast("Callable[[Args], tuple[torch.Tensor, ...]] | None", picker(indices))
 
 
 def _equal(a: tuple[object, ...], b: tuple[object, ...]) -> bool:

@@ -7,7 +7,7 @@ recorded nor refused (a CUDA capture in "global" mode would refuse some of them)
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -494,53 +494,9 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
         stream = current_cpu_stream()
         step = Step(func, Kind.SKIP, args_r, kwargs_r, outs, stream=stream)
 
-        if reason is not None:
-            self.frozen.append(name)
-            step.kind = Kind.FROZEN
-            targets = [t for _, t in leaves] + written
-            step.saved = tuple(
-                (TRef(self._ref(t, index)), _exact_copy(t)) for t in targets if _plain(t)
-            )
-            for t in targets:
-                si = self._storage_of(t)
-                if si is not None and self.storages[si].produced:
-                    self.storages[si].pinned = True
-        elif metadata_only:
-            step.kind = Kind.SKIP  # replays see the recorded view; re-issuing would apply it twice
-        elif written:
-            if (
-                method is not None
-                and before is not None
-                and verify_inplace_method(method, before, args[0], args, kwargs)
-            ):
-                step.kind, step.method = Kind.INPLACE_METHOD, method
-            else:
-                step.kind = Kind.AS_IS
-                step.outs = fresh
-        elif is_wait(func):
-            step.kind = Kind.COLLECTIVE_WAIT  # returns its argument, yet must be re-issued
-        elif func.namespace == "_c10d_functional" and fresh:
-            step.kind, step.outs = Kind.COLLECTIVE, fresh
-        elif replays_marker(func):
-            step.kind = Kind.AS_IS
-        elif not fresh and func.namespace not in _TRUSTED_SCHEMAS:
-            # a custom op with no fresh result: its schema may not declare what it writes, so it
-            # is re-issued rather than trusted to be a view
-            step.kind = Kind.AS_IS
-        elif not fresh or is_allocation(func):
-            step.kind = Kind.SKIP  # views (every result aliases an input), non-tensor results
-        else:
-            fresh_ids = {id(r) for _, r in fresh}
-            fresh_leaves = [
-                leaf for leaf, (_, r) in zip(leaves, outs, strict=True) if id(r) in fresh_ids
-            ]
-            step.kind, step.outs = Kind.COPY, fresh
-            shared = len({self.tensors[r.i].storage for _, r in fresh}) != len(fresh)
-            # results that alias inputs or each other: out= kernels would be handed overlapping
-            # outputs, so only compute-and-copy fits
-            step.candidates, step.copy_costs = out_candidates(
-                func, args, kwargs, fresh_leaves, copy_only=len(fresh) != len(outs) or shared
-            )
+        op = _Op(func, args, kwargs, index, reason, written, leaves, outs, fresh, metadata_only,
+                 method, before)
+        next(fill for applies, fill in _KIND_RULES if applies(op))(self, op, step)
         if step.kind is Kind.COPY and overload_name(func) == _SDPA_CPU:
             self._read_grouped_kv(step, args, kwargs, leaves, index)
         for _, r in step.outs:
@@ -563,3 +519,102 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
                 self.hazard_reported = True
                 warnings.warn(problem, CrossStreamWarning, stacklevel=2)
         return result
+
+
+@dataclass(slots=True, eq=False)
+class _Op:
+    """One op as ``Recorder._record`` saw it run: what picks the kind of its step."""
+
+    func: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    index: int
+    reason: str | None  # why it cannot be re-issued (relaxed mode freezes it), or None
+    written: list[torch.Tensor]  # the inputs its schema says it writes
+    leaves: list[tuple[tuple[int, ...], torch.Tensor]]  # its tensor results, by path
+    outs: tuple[tuple[tuple[int, ...], TRef], ...]
+    fresh: tuple[tuple[tuple[int, ...], TRef], ...]  # results in storage it allocated
+    metadata_only: bool
+    method: str | None  # the in-place method that may re-issue it, if any
+    before: torch.Tensor | None  # its self argument before it ran, to verify ``method``
+
+
+def _frozen(rec: Recorder, op: _Op, step: Step) -> None:
+    """Replays repeat the values it produced during capture (relaxed mode)."""
+    rec.frozen.append(str(op.func))
+    step.kind = Kind.FROZEN
+    targets = [t for _, t in op.leaves] + op.written
+    step.saved = tuple(
+        (TRef(rec._ref(t, op.index)), _exact_copy(t)) for t in targets if _plain(t)
+    )
+    for t in targets:
+        si = rec._storage_of(t)
+        if si is not None and rec.storages[si].produced:
+            rec.storages[si].pinned = True
+
+
+def _skip(rec: Recorder, op: _Op, step: Step) -> None:
+    """Nothing to re-issue: views (every result aliases an input), non-tensor results,
+    allocations, and in-place view ops (replays see the recorded view; re-issuing would apply
+    it twice)."""
+    step.kind = Kind.SKIP
+
+
+def _writes(rec: Recorder, op: _Op, step: Step) -> None:
+    """An op that writes its inputs: re-issued as its in-place method where that was verified
+    to give the same result, else as it is."""
+    if (
+        op.method is not None
+        and op.before is not None
+        and verify_inplace_method(op.method, op.before, op.args[0], op.args, op.kwargs)
+    ):
+        step.kind, step.method = Kind.INPLACE_METHOD, op.method
+    else:
+        step.kind = Kind.AS_IS
+        step.outs = op.fresh
+
+
+def _collective_wait(rec: Recorder, op: _Op, step: Step) -> None:
+    """Returns its argument, yet must be re-issued."""
+    step.kind = Kind.COLLECTIVE_WAIT
+
+
+def _collective(rec: Recorder, op: _Op, step: Step) -> None:
+    step.kind, step.outs = Kind.COLLECTIVE, op.fresh
+
+
+def _as_is(rec: Recorder, op: _Op, step: Step) -> None:
+    """Re-issued as recorded: stream markers, and custom ops with no fresh result (their schema
+    may not declare what they write, so they are not trusted to be views)."""
+    step.kind = Kind.AS_IS
+
+
+def _computes(rec: Recorder, op: _Op, step: Step) -> None:
+    """A computation with fresh results: computed again into them, by an out= kernel where one
+    fits, else computed and copied."""
+    fresh_ids = {id(r) for _, r in op.fresh}
+    fresh_leaves = [
+        leaf for leaf, (_, r) in zip(op.leaves, op.outs, strict=True) if id(r) in fresh_ids
+    ]
+    step.kind, step.outs = Kind.COPY, op.fresh
+    shared = len({rec.tensors[r.i].storage for _, r in op.fresh}) != len(op.fresh)
+    # results that alias inputs or each other: out= kernels would be handed overlapping
+    # outputs, so only compute-and-copy fits
+    step.candidates, step.copy_costs = out_candidates(
+        op.func, op.args, op.kwargs, fresh_leaves,
+        copy_only=len(op.fresh) != len(op.outs) or shared,
+    )
+
+
+# The kind of an op's step: the first rule that applies, in this order.
+_KIND_RULES: tuple[tuple[Callable[[_Op], bool], Callable[[Recorder, _Op, Step], None]], ...] = (
+    (lambda op: op.reason is not None, _frozen),
+    (lambda op: op.metadata_only, _skip),
+    (lambda op: bool(op.written), _writes),
+    (lambda op: is_wait(op.func), _collective_wait),
+    (lambda op: op.func.namespace == "_c10d_functional" and bool(op.fresh), _collective),
+    (lambda op: replays_marker(op.func), _as_is),
+    (lambda op: not op.fresh and op.func.namespace not in _TRUSTED_SCHEMAS, _as_is),
+    (lambda op: not op.fresh or is_allocation(op.func), _skip),
+    (lambda op: True, _computes),
+)

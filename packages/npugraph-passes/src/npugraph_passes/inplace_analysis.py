@@ -1,0 +1,135 @@
+"""What the re-inplacing passes know of a graph: which nodes share storage (alias groups),
+where each node is, which storages are graph inputs, streams and collectives; kept up to date by
+the rewrites (see :mod:`npugraph_passes.reinplace`)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.fx
+
+from npugraph_passes.aliasing import node_storage, written_args
+from npugraph_passes.collectives import CollectiveMemory
+from npugraph_passes.stream_safety import StreamMap
+
+__all__ = ["SCATTER_VIEWS", "VIEW_TARGETS", "Analysis", "meta_tensor", "meta_values"]
+
+aten = torch.ops.aten
+
+
+#: scatter op -> the view op it writes through.
+SCATTER_VIEWS: dict[Any, Any] = {
+    aten.slice_scatter.default: aten.slice.Tensor,
+    aten.select_scatter.default: aten.select.int,
+    aten.diagonal_scatter.default: aten.diagonal.default,
+    aten.as_strided_scatter.default: aten.as_strided.default,
+}
+
+VIEW_TARGETS = frozenset(SCATTER_VIEWS.values()) | {
+    aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.alias.default,
+    aten.expand.default, aten.permute.default, aten.transpose.int, aten.t.default,
+    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims,
+    aten.as_strided.default, aten.unfold.default, aten.narrow.default, aten.split.Tensor,
+    aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default, aten.view.dtype,
+}
+
+
+def meta_tensor(node: object) -> torch.Tensor | None:
+    if isinstance(node, torch.fx.Node):
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            return val
+    return None
+
+
+def meta_values(args: Any) -> Any:
+    """``args`` with every node replaced by its ``meta["val"]`` (a SymInt start of a slice, a
+    tensor): what the op is evaluated on to recompute a view's metadata."""
+    return torch.fx.node.map_arg(args, lambda n: n.meta.get("val"))
+
+
+class Analysis:
+    """Positions, storages and alias groups of one graph, kept up to date by the rewrites."""
+
+    def __init__(self, graph: torch.fx.Graph) -> None:
+        self.graph = graph
+        self.position: dict[torch.fx.Node, int] = {n: i for i, n in enumerate(graph.nodes)}
+        self.storage: dict[torch.fx.Node, int | None] = {}
+        self.group: dict[int, set[torch.fx.Node]] = defaultdict(set)
+        self.input_storages: set[int] = set()
+        self.streams = StreamMap(graph)
+        self.erased: set[torch.fx.Node] = set()
+        self.output_node: torch.fx.Node = next(iter(reversed(graph.nodes)))
+        for node in graph.nodes:
+            key = node_storage(node)
+            self.storage[node] = key
+            if key is not None:
+                self.group[key].add(node)
+                if node.op in ("placeholder", "get_attr"):
+                    self.input_storages.add(key)
+        self.collectives = CollectiveMemory(graph, lambda n: self.storage.get(n))
+
+    def collective_memory(self, target: torch.fx.Node) -> bool:
+        """A collective reads or writes ``target``'s memory: no rewrite may write into it."""
+        return self.collectives.touches(self.storage.get(target))
+
+    def aliases(self, node: torch.fx.Node) -> set[torch.fx.Node]:
+        key = self.storage.get(node)
+        return set(self.group[key]) if key is not None else {node}
+
+    def reads_after(self, node: torch.fx.Node, target: torch.fx.Node,
+                    ignore: set[torch.fx.Node]) -> list[torch.fx.Node]:
+        """Nodes after ``node`` that read ``target``'s storage through any alias (views that only
+        feed other readers do not count themselves; their readers do)."""
+        aliases = self.aliases(target)
+        at = self.position[node]
+        found: list[torch.fx.Node] = []
+        for alias in aliases:
+            for user in alias.users:
+                if user is node or user in ignore or self.position.get(user, -1) <= at:
+                    continue
+                if user in aliases and user.target in VIEW_TARGETS:
+                    continue
+                found.append(user)
+        return found
+
+    def is_returned(self, node: torch.fx.Node) -> bool:
+        """``node``'s value (or a view of it) is a graph output."""
+        if self.output_node.op != "output":
+            return False
+        key = self.storage.get(node)
+        returned: list[torch.fx.Node] = []
+        torch.fx.node.map_arg(self.output_node.args, returned.append)
+        return any(r is node or (key is not None and self.storage.get(r) == key) for r in returned)
+
+    def users_of(self, target: torch.fx.Node) -> list[torch.fx.Node]:
+        return [u for a in self.aliases(target) for u in a.users]
+
+    def written_between(self, target: torch.fx.Node, lo: int, hi: int, ignore: set[torch.fx.Node]) -> bool:
+        key = self.storage.get(target)
+        for node in self.graph.nodes:
+            if node in ignore or not (lo < self.position.get(node, -1) < hi):
+                continue
+            for dst in written_args(node):
+                if self.storage.get(dst) == key:
+                    return True
+        return False
+
+    def erase(self, node: torch.fx.Node) -> None:
+        self.graph.erase_node(node)
+        self.erased.add(node)
+        key = self.storage.pop(node, None)
+        if key is not None:
+            self.group[key].discard(node)
+
+    def merge(self, node: torch.fx.Node, into: torch.fx.Node) -> None:
+        """``node`` now returns ``into``'s storage."""
+        old = self.storage.get(node)
+        if old is not None:
+            self.group[old].discard(node)
+        key = self.storage.get(into)
+        self.storage[node] = key
+        if key is not None:
+            self.group[key].add(node)

@@ -1,0 +1,217 @@
+"""Making one capture: the arguments and buffers it runs on, the warmup, the capture itself.
+
+Everything here runs once per capture, never on a replay; manager.py turns what it makes into
+the replay closure."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from typing import cast
+
+import torch
+
+from npugraph_runtime.core_limit import current_core_limit
+from npugraph_runtime.devices.base import DeviceGraph, PoolHandle
+from npugraph_runtime.errors import CaptureError, PolicyError
+from npugraph_runtime.graphs import Graph, graph
+from npugraph_runtime.inputs import (
+    WriteWatch,
+    bytes_overlap,
+    mirror,
+    non_overlapping,
+    storage_ptr,
+)
+from npugraph_runtime.keys import Args, Key
+from npugraph_runtime.outputs import Holds, OutputPlan
+from npugraph_runtime.spec import CapturePolicy, InputSpec, SlotKind
+
+__all__ = ["CAPTURE_RANGE", "Capture", "Slots", "record", "tensor", "warm_up"]
+
+# Profiler range name (what a trace shows); the backend's compile phases use the same prefix.
+CAPTURE_RANGE = "npugraph_ex::capture"
+
+_data_ptr = torch.Tensor.data_ptr
+
+
+def tensor(args: Args, i: int) -> torch.Tensor:
+    """``args[i]``, which the InputSpec makes a tensor (checked before any capture)."""
+    return cast(torch.Tensor, args[i])
+
+
+class Slots:
+    """The input indices of each kind, and those whose address the replay path checks."""
+
+    __slots__ = ("constant", "mutated", "static", "user", "watched")
+
+    def __init__(self, spec: InputSpec, policy: CapturePolicy) -> None:
+        kinds = spec.kinds
+        self.user = [i for i, k in enumerate(kinds) if k is SlotKind.USER]
+        self.mutated = [i for i, k in enumerate(kinds) if k is SlotKind.MUTATED]
+        self.static = [i for i, k in enumerate(kinds) if k is SlotKind.STATIC]
+        self.constant = [i for i, k in enumerate(kinds) if k is SlotKind.CONSTANT]
+        # Inputs the graph uses in place whose address the replay path checks.
+        checked_static = self.static if policy.check_static_addresses else self.static[:1]
+        self.watched = sorted(self.mutated + checked_static)
+
+
+class Capture:
+    """One captured graph and what its replay closure needs kept alive."""
+
+    __slots__ = ("addresses", "args", "buffers", "callers", "core_limit", "graph", "holds", "key",
+                 "mirrored", "outputs", "plan", "replay", "watched_ptrs")
+
+    def __init__(
+        self, key: Key, graph: DeviceGraph, args: list[object], buffers: list[torch.Tensor],
+        mirrored: frozenset[int],
+    ) -> None:
+        self.key = key
+        self.graph = graph
+        self.args = args  # what the graph saw: static/mutated inputs in place, user buffers
+        self.buffers = buffers
+        self.mirrored = mirrored  # user inputs whose buffer mirrors the caller's whole storage
+        # input index -> data_ptr at capture, for the inputs the graph uses in place
+        self.addresses = {
+            i: a.data_ptr() for i, a in enumerate(args) if isinstance(a, torch.Tensor)
+        }
+        self.watched_ptrs: list[int] = []
+        # the caller's mutated tensors, weakly: the capture itself holds aliases of them
+        self.callers: list[weakref.ref[torch.Tensor]] = []
+        self.core_limit = current_core_limit()
+        self.outputs: object = None
+        self.holds: Holds | None = None
+        self.plan: OutputPlan | None = None
+        self.replay: Callable[[Args], object] = _unset
+
+    def dropped(self) -> bool:
+        """The caller let go of a mutated tensor of this capture (a finished request's cache):
+        nothing can call it with those addresses again, so it is the one to replace."""
+        return any(ref() is None for ref in self.callers)
+
+    def fits(self, args: Args, watched: Sequence[int]) -> bool:
+        """The addresses the replay closure checks are the ones this call passes."""
+        return [_data_ptr(tensor(args, i)) for i in watched] == self.watched_ptrs
+
+
+def _unset(args: Args) -> object:
+    raise CaptureError("internal: a capture's replay closure was used before it was built")
+
+
+def warm_up(fn: Callable[..., object], args: Args, slots: Slots, runs: int) -> object:
+    """``runs`` eager calls of ``fn``; the last one's result. Every run but the last is undone,
+    so side effects land once, as in eager."""
+    if runs > 1:
+        mutated = [tensor(args, i) for i in slots.mutated]
+        snapshot = [t.clone() for t in mutated]
+        for _ in range(runs - 1):
+            fn(*args)
+            for t, s in zip(mutated, snapshot, strict=True):
+                t.copy_(s)
+    return fn(*args)
+
+
+def record(
+    fn: Callable[..., object], name: str, spec: InputSpec, policy: CapturePolicy, slots: Slots,
+    key: Key, args: Args, device: torch.device, pool: PoolHandle | None,
+    closure: Callable[[Capture], Callable[[Args], object]],
+) -> Capture:
+    """Capture once; again, with mirrored buffers, when the graph turns out to read a user
+    input through as_strided (at storage positions a dense buffer does not have). ``closure``
+    builds the capture's replay closure."""
+    mirrored: frozenset[int] = frozenset()
+    while True:
+        g, out, cap_args, buffers, raw_reads = _record_once(
+            fn, name, spec, policy, slots, args, mirrored, device, pool)
+        if raw_reads <= mirrored:
+            break
+        g.reset()
+        mirrored |= raw_reads
+    cap = Capture(key, g, cap_args, buffers, mirrored)
+    cap.callers = [weakref.ref(tensor(args, i)) for i in slots.mutated]
+    cap.outputs = out
+    try:
+        cap.replay = closure(cap)
+    except BaseException:
+        g.reset()
+        raise
+    return cap
+
+
+def _record_once(
+    fn: Callable[..., object], name: str, spec: InputSpec, policy: CapturePolicy, slots: Slots,
+    args: Args, mirrored: frozenset[int], device: torch.device, pool: PoolHandle | None,
+) -> tuple[DeviceGraph, object, list[object], list[torch.Tensor], frozenset[int]]:
+    cap_args, buffers = _buffers(name, policy, slots, args, mirrored)
+    # statics and user buffers must not be written: replays would not write the caller's
+    # tensor (user) or would repeat the write warmups already made (static)
+    mutated = {storage_ptr(tensor(args, i)) for i in slots.mutated}
+    users = {storage_ptr(b): i for i, b in zip(slots.user, buffers, strict=True)}
+    watched = dict(users)
+    for i in slots.static:
+        watched.setdefault(storage_ptr(tensor(args, i)), i)
+    watch = WriteWatch({p: i for p, i in watched.items() if p and p not in mutated},
+                       {p: i for p, i in users.items() if p})
+    g = Graph(device)
+    with (
+        torch.profiler.record_function(CAPTURE_RANGE),
+        graph(g, pool=pool, capture_error_mode=policy.capture_error_mode),
+        watch,
+    ):
+        out = fn(*cap_args)
+    if watch.written:
+        g.reset()
+        i, op = next(iter(watch.written.items()))
+        raise PolicyError(
+            f"{name}: fn writes input {i} in place ({op}), but the InputSpec makes it "
+            f"{spec.kinds[i].value}: a replay would not write the caller's tensor like "
+            "eager does. Declare it mutated (make_graphed_callable(mutated_argnums=...), "
+            "SlotKind.MUTATED) or do not write it"
+        )
+    return g, out, cap_args, buffers, frozenset(watch.raw_reads)
+
+
+def _buffers(
+    name: str, policy: CapturePolicy, slots: Slots, args: Args, mirrored: frozenset[int]
+) -> tuple[list[object], list[torch.Tensor]]:
+    """The arguments a capture runs on and its user-input buffers. A buffer is the caller's
+    own tensor only under clone_input=False, and only when no other input shares its memory
+    and no two of its elements overlap; otherwise it is an owned copy with the caller's
+    layout (made dense), so that refilling it never writes memory another input (or another
+    element) is read from. A ``mirrored`` input's buffer copies the caller's whole storage
+    at the caller's offset and strides (the graph reads it through as_strided)."""
+    mutated = {storage_ptr(tensor(args, i)): i for i in slots.mutated}
+    for i in slots.user:
+        # a user input read through as_strided may reach any byte of its storage; another
+        # one only its own bytes, so a disjoint view of a mutated input's storage is fine
+        x = tensor(args, i)
+        j = next((j for j in slots.mutated if (
+            storage_ptr(x) == storage_ptr(tensor(args, j))
+            and (i in mirrored or bytes_overlap(x, tensor(args, j))))), None)
+        if j is not None and x.numel():
+            raise PolicyError(
+                f"{name}: user input {i} shares memory with mutated input {j}: a replay "
+                f"reads input {i} as copied before fn writes input {j}, eager reads it after. "
+                f"Pass input {i} as a separate tensor, or mark it mutated too"
+            )
+    taken = set(mutated) | {storage_ptr(tensor(args, i)) for i in slots.static}
+    cap_args = list(args)
+    for i in slots.mutated:
+        # an alias (same storage, sizes, strides; not a view, which would keep its base
+        # object alive): the capture never keeps the caller's tensor object alive, so a
+        # dropped one is seen (see Capture.dropped)
+        cap_args[i] = tensor(args, i).detach()
+    buffers: list[torch.Tensor] = []
+    for i in slots.user:
+        x = tensor(args, i)
+        ptr = storage_ptr(x)
+        if i in mirrored:
+            x = mirror(x)
+            cap_args[i] = x
+        elif policy.clone_input or (ptr and ptr in taken) or not non_overlapping(x):
+            # the graph may depend on the input's layout (a traced view): keep its strides
+            # when dense, else dense strides in the same dim order
+            x = torch.empty_like(x, memory_format=torch.preserve_format).copy_(x)
+            cap_args[i] = x
+        taken.add(ptr)
+        buffers.append(x)
+    return cap_args, buffers
