@@ -14,6 +14,7 @@ import torch
 import torch.fx
 from npugraph_runtime.callsite import warn_at_caller
 from npugraph_runtime.counters import REQUIRES_GRAD, fallback_counter
+from npugraph_runtime.devices import device_of
 
 from npugraph_backend import _compat
 from npugraph_backend.compiler import (
@@ -21,7 +22,6 @@ from npugraph_backend.compiler import (
     EagerFallbackWarning,
     ForwardCompiler,
     begin_debug,
-    device_of,
     warn_npu_only_options,
 )
 from npugraph_backend.config import CompilerConfig, OptionError
