@@ -22,7 +22,7 @@ from npugraph_passes import PassManager
 from npugraph_passes.stream_scopes import lower_stream_scopes
 from npugraph_runtime import CapturePolicy, InputSpec, OutputSpec
 from npugraph_runtime.callsite import warn_at_caller
-from npugraph_runtime.devices import device_of
+from npugraph_runtime.devices import inputs_device
 from npugraph_runtime.graphs import as_pool_handle
 
 from npugraph_backend import _compat, process_groups
@@ -204,7 +204,7 @@ def compile_graph(
     ``debug``: the TORCH_COMPILE_DEBUG session of this graph (None: begin one if enabled)."""
     config = config.copy()
     name = next_graph_name()
-    device = device_of(example_inputs)
+    device = inputs_device(example_inputs)
     if debug is None:
         debug = begin_debug(None)
     if debug is not None:
@@ -295,5 +295,5 @@ def compile_fx(
     config = CompilerConfig.from_options(options)
     if example_inputs is None:
         example_inputs = [n.meta.get("val") for n in _compat.placeholders(gm)]
-    warn_npu_only_options(config, device_of(example_inputs))
+    warn_npu_only_options(config, inputs_device(example_inputs))
     return compile_graph(gm, list(example_inputs), config)

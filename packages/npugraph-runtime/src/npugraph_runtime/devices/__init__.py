@@ -1,5 +1,5 @@
 """Device backends: one per kind of device, chosen by ``backend_for``, and device lookup
-(``device_type``, ``device_of``).
+(``device_type``, ``device_of``, ``inputs_device``).
 
 devices/ is the runtime's bottom layer. Its modules import only torch, each other, and these
 leaf modules of the runtime, which import nothing of ours but one another:
@@ -76,10 +76,8 @@ def backend_for(device: torch.device | str) -> Any:
 
 def device_of(x: object) -> torch.device:
     """The device named by ``x``: a device, a string, a tensor, or anything with a ``.device``
-    (a graph, a pool); None is the current accelerator when one is available, else the CPU. A
-    sequence (a graph's example inputs) is the device of its tensors, which must agree
-    (CPU tensors next to one accelerator's are that accelerator's; meta tensors do not count);
-    CPU for one without tensors."""
+    (a graph, a pool); None is the current accelerator when one is available, else the CPU. For a
+    graph's example inputs, ``inputs_device``."""
     if x is None:
         accelerator = getattr(torch, "accelerator", None)
         current = getattr(accelerator, "current_accelerator", None)
@@ -97,15 +95,16 @@ def device_of(x: object) -> torch.device:
         return torch.device(x)
     if isinstance(x, torch.Tensor):
         return x.device
-    if isinstance(x, Sequence):  # str is handled above
-        return _inputs_device(x)
     device = getattr(x, "device", None)
     if isinstance(device, torch.device):
         return device
     raise DeviceError(f"cannot tell the device of {x!r}: give 'cpu', 'cuda', 'npu' or a torch.device")
 
 
-def _inputs_device(example_inputs: Sequence[object]) -> torch.device:
+def inputs_device(example_inputs: Sequence[object]) -> torch.device:
+    """The device of a graph's example inputs: that of their tensors, which must agree (CPU
+    tensors next to one accelerator's belong to it; meta tensors do not count); CPU for a graph
+    without tensors. Otherwise DeviceError naming the devices."""
     devices = {x.device for x in example_inputs if isinstance(x, torch.Tensor)}
     devices.discard(torch.device("meta"))
     if not devices:
