@@ -19,7 +19,7 @@ def _capture_into(model: torch.nn.Module, x: torch.Tensor, pool: object) -> tupl
 
 
 def _in_pool(t: torch.Tensor, pool: object) -> bool:
-    from npugraph_runtime.pool import cpu_pool
+    from npugraph_runtime.devices.cpu_pool import cpu_pool
 
     ptr = t.data_ptr()
     return any(
@@ -147,7 +147,7 @@ def test_pool_of_another_device_is_refused() -> None:
 def test_planner_never_overlaps_items_alive_at_the_same_time(
     raw: list[tuple[int, int, int]], earlier_graphs: int
 ) -> None:
-    from npugraph_runtime.pool import CpuPool, Lifetime
+    from npugraph_runtime.devices.cpu_pool import CpuPool, Lifetime
 
     pool = CpuPool(0)
     for g in range(earlier_graphs):  # blocks left by other graphs of the pool

@@ -14,6 +14,7 @@ import torch
 import torch.fx
 from npugraph_runtime.callsite import warn_at_caller
 from npugraph_runtime.counters import REQUIRES_GRAD, fallback_counter
+from npugraph_runtime.devices import inputs_device
 
 from npugraph_backend import _compat
 from npugraph_backend.compiler import (
@@ -21,7 +22,6 @@ from npugraph_backend.compiler import (
     EagerFallbackWarning,
     ForwardCompiler,
     begin_debug,
-    device_of,
     warn_npu_only_options,
 )
 from npugraph_backend.config import CompilerConfig, OptionError
@@ -65,7 +65,7 @@ def npugraph_ex_backend(
             ModeIgnoredWarning,
             stacklevel=2,
         )
-    warn_npu_only_options(config, device_of(example_inputs))
+    warn_npu_only_options(config, inputs_device(example_inputs))
 
     needs_grad = _inputs_needing_grad(example_inputs)
     if torch.is_grad_enabled() and needs_grad:

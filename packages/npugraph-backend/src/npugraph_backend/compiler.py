@@ -22,6 +22,7 @@ from npugraph_passes import PassManager
 from npugraph_passes.stream_scopes import lower_stream_scopes
 from npugraph_runtime import CapturePolicy, InputSpec, OutputSpec
 from npugraph_runtime.callsite import warn_at_caller
+from npugraph_runtime.devices import inputs_device
 from npugraph_runtime.graphs import as_pool_handle
 
 from npugraph_backend import _compat, process_groups
@@ -49,25 +50,6 @@ UNSAFE_NODES_META = "npugraph_ex_unsafe_nodes"
 def next_graph_name() -> str:
     with _graph_ids_lock:
         return f"graph_{next(_graph_ids)}"
-
-
-def device_of(example_inputs: Sequence[object]) -> torch.device:
-    """The device of the tensor inputs (all of them must agree); CPU for a graph without any."""
-    devices = {x.device for x in example_inputs if isinstance(x, torch.Tensor)}
-    devices.discard(torch.device("meta"))
-    if not devices:
-        return torch.device("cpu")
-    if len(devices) > 1:
-        accel = {d for d in devices if d.type != "cpu"}
-        # CPU scalars next to accelerator tensors are common (indices, lengths): the graph
-        # belongs to the accelerator; the runtime refuses truly mixed captures.
-        if len(accel) == 1:
-            return accel.pop()
-        raise npugraph_runtime.DeviceError(
-            f"graph inputs are on several devices {sorted(str(d) for d in devices)}; "
-            "a captured graph runs on one device"
-        )
-    return devices.pop()
 
 
 def warn_npu_only_options(config: CompilerConfig, device: torch.device) -> None:
@@ -222,7 +204,7 @@ def compile_graph(
     ``debug``: the TORCH_COMPILE_DEBUG session of this graph (None: begin one if enabled)."""
     config = config.copy()
     name = next_graph_name()
-    device = device_of(example_inputs)
+    device = inputs_device(example_inputs)
     if debug is None:
         debug = begin_debug(None)
     if debug is not None:
@@ -313,5 +295,5 @@ def compile_fx(
     config = CompilerConfig.from_options(options)
     if example_inputs is None:
         example_inputs = [n.meta.get("val") for n in _compat.placeholders(gm)]
-    warn_npu_only_options(config, device_of(example_inputs))
+    warn_npu_only_options(config, inputs_device(example_inputs))
     return compile_graph(gm, list(example_inputs), config)

@@ -65,7 +65,7 @@ def storage_use_count() -> Callable[[int], int]:
     return cast(Callable[[int], int], torch._C._storage_Use_Count)
 
 
-# --- devices/cpu*.py, pool.py: the emulated CPU device graph ------------------------------------
+# --- devices/cpu*.py: the emulated CPU device graph ------------------------------------
 # Checked on torch 2.13.0 and 2.11: ``torch.utils._python_dispatch.TorchDispatchMode`` is the base
 # class of dispatch modes (a thread-local mode stack, entered with ``with``).
 from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode  # noqa: E402

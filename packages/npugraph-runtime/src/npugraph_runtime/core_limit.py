@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from npugraph_runtime import ops
+from npugraph_runtime.devices.core_units import green_context_class, npu_limit_api
 from npugraph_runtime.errors import DeviceError, PolicyError
+from npugraph_runtime.scope_keys import AICORE_KEY, VECTORCORE_KEY
 
 _warned: set[str] = set()
 _warn_lock = threading.Lock()
@@ -50,38 +51,6 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def _npu_limit_api() -> tuple[Any, Any, Any] | None:
-    npu = getattr(torch, "npu", None)
-    if npu is None:
-        return None
-    get_limit = getattr(npu, "get_stream_limit", None)
-    set_limit = getattr(npu, "set_stream_limit", None)
-    if get_limit is None or set_limit is None:
-        return None
-    return get_limit, set_limit, getattr(npu, "get_device_limit", None)
-
-
-@functools.cache
-def _green_context_class() -> Any:
-    try:
-        from torch.cuda import green_contexts
-    except ImportError:
-        return None
-    return green_contexts.GreenContext if getattr(green_contexts, "SUPPORTED", False) else None
-
-
-def core_limit_kind(device: torch.device) -> str | None:
-    """How ``device`` limits compute units: "stream_limit" (NPU), "green_context" (CUDA),
-    "threads" (CPU), or None when this torch cannot limit it."""
-    if device.type == "cpu":
-        return "threads"
-    if device.type == "npu":
-        return "stream_limit" if _npu_limit_api() is not None else None
-    if device.type == "cuda":
-        return "green_context" if _green_context_class() is not None else None
-    return None
-
-
 # Read once: dynamo cannot trace os.cpu_count(), but it reads module constants.
 _CPU_COUNT = os.cpu_count() or 1
 
@@ -95,7 +64,7 @@ def _max_cores(device_type: str, index: int) -> tuple[int, int]:
         sms = int(torch.cuda.get_device_properties(index).multi_processor_count)
         return sms, sms
     if device_type == "npu":
-        api = _npu_limit_api()
+        api = npu_limit_api()
         if api is not None and api[2] is not None:
             limit = api[2](index)
             return int(limit["cube_core_num"]), int(limit["vector_core_num"])
@@ -186,7 +155,7 @@ class limit_core_num:
     def __enter__(self) -> None:
         if torch.compiler.is_compiling():
             torch.ops.npugraph_ex.scope_enter(
-                [ops.AICORE_KEY, ops.VECTORCORE_KEY],
+                [AICORE_KEY, VECTORCORE_KEY],
                 [str(self.op_aicore_num), str(self.op_vectorcore_num)],
             )
             return
@@ -239,7 +208,7 @@ class limit_core_num:
         return green.pop_context
 
     def _enter_npu(self) -> Any:
-        api = _npu_limit_api()
+        api = npu_limit_api()
         if api is None:
             _warn_once(
                 "npu-nolimit",
@@ -265,7 +234,7 @@ def _green_context(index: int, num_sms: int) -> Any:
     key = (index, num_sms)
     if key in _green_cache:
         return _green_cache[key]
-    cls = _green_context_class()
+    cls = green_context_class()
     green = None
     if cls is None:
         _warn_once(

@@ -22,35 +22,10 @@ from typing import Any
 
 import torch
 
-from npugraph_runtime.devices import backend_for, device_type
+from npugraph_runtime.devices import backend_for, device_of
 from npugraph_runtime.devices.base import DeviceGraph, PoolHandle
 from npugraph_runtime.errors import DeviceError, PolicyError
-
-
-def device_of(x: object) -> torch.device:
-    """The device named by ``x`` (a device, a string, a tensor, a graph or a pool); None is the
-    current accelerator when one is available, else the CPU. Not public."""
-    if x is None:
-        accelerator = getattr(torch, "accelerator", None)
-        current = getattr(accelerator, "current_accelerator", None)
-        found = current() if current is not None else None
-        if found is not None and found.type in ("cuda", "npu"):
-            return torch.device(found.type)
-        return torch.device("cpu")
-    if isinstance(x, torch.device):
-        return x
-    if isinstance(x, str):
-        # unknown strings raise DeviceError naming what is supported; "npu" imports torch_npu
-        # first (which teaches torch that device type) or says how to install it
-        if device_type(x) == "npu":
-            backend_for(x)
-        return torch.device(x)
-    if isinstance(x, torch.Tensor):
-        return x.device
-    device = getattr(x, "device", None)
-    if isinstance(device, torch.device):
-        return device
-    raise DeviceError(f"cannot tell the device of {x!r}: give 'cpu', 'cuda', 'npu' or a torch.device")
+from npugraph_runtime.streams import stream_impl
 
 
 def Graph(device: torch.device | str | None = None) -> DeviceGraph:
@@ -114,8 +89,6 @@ def graph(
     (accelerators: a side stream of ours when None, as capture may not run on the default stream),
     captures into ``pool`` (a PoolHandle, a device's raw handle, or None for the graph's own
     pool). If the body raises, the capture is abandoned and ``g`` is left uncaptured."""
-    from npugraph_runtime.streams import stream_impl
-
     device = g.device
     backend = backend_for(device)
     handle = None if pool is None else as_pool_handle(pool, device)

@@ -9,8 +9,8 @@ from typing import Any
 import torch
 
 from npugraph_runtime._compat import TorchDispatchMode, op_base_name
-from npugraph_runtime.devices.cpu_kernels import write_positions
 from npugraph_runtime.errors import PolicyError
+from npugraph_runtime.schema import write_positions
 
 _data_ptr = torch.Tensor.data_ptr
 _stride = torch.Tensor.stride

@@ -35,13 +35,17 @@ from typing import Any
 import torch
 
 from npugraph_runtime._compat import mark_side_effectful
+from npugraph_runtime.core_limit import limit_core_num
+from npugraph_runtime.devices import backend_for
 from npugraph_runtime.errors import NpugraphError
 
-NAMESPACE = "npugraph_ex"
-USER_STREAM_LABEL = "_user_stream_label"
-AICORE_KEY = "_op_aicore_num"
-VECTORCORE_KEY = "_op_vectorcore_num"
-DEVICE_KEY = "_device"
+# the scope keys are re-exported: ``npugraph_runtime.ops.USER_STREAM_LABEL`` & co. stay where they were
+from npugraph_runtime.scope_keys import AICORE_KEY as AICORE_KEY
+from npugraph_runtime.scope_keys import DEVICE_KEY as DEVICE_KEY
+from npugraph_runtime.scope_keys import NAMESPACE as NAMESPACE
+from npugraph_runtime.scope_keys import USER_STREAM_LABEL as USER_STREAM_LABEL
+from npugraph_runtime.scope_keys import VECTORCORE_KEY as VECTORCORE_KEY
+from npugraph_runtime.streams import Event, Stream, stream_by_label, stream_impl
 
 _SCHEMAS = {
     "scope_enter": "scope_enter(str[] keys, str[] values) -> ()",
@@ -95,17 +99,12 @@ def _apply(scope: dict[str, str]) -> list[Any]:
         return undo
     label = scope.get(USER_STREAM_LABEL)
     if label is not None:
-        from npugraph_runtime.devices import backend_for
-        from npugraph_runtime.streams import stream_impl
-
         raw = stream_impl(user_stream(label, device))
         backend = backend_for(raw.device)
         previous = backend.current_stream(raw.device)
         backend.set_stream(raw)
         undo.append(lambda: backend.set_stream(previous))
     if AICORE_KEY in scope:
-        from npugraph_runtime.core_limit import limit_core_num
-
         limit = limit_core_num(
             int(scope[AICORE_KEY]), int(scope.get(VECTORCORE_KEY, "0")), device=device
         )
@@ -152,8 +151,6 @@ def graph_event(tag: str, device: str) -> Any:
     with _events_lock:
         event = _graph_events.get(tag)
         if event is None:
-            from npugraph_runtime.streams import Event
-
             event = _graph_events[tag] = Event(device)
         return event
 
@@ -236,8 +233,6 @@ def user_stream(label: str, device: torch.device | str | None = None) -> Any:
     with _streams_lock:
         found = _user_streams.get(label)
         if found is None:
-            from npugraph_runtime.streams import Stream, stream_by_label
-
             found = stream_by_label(label)  # an npugraph_runtime.Stream used in compiled code
             if found is not None:
                 return found

@@ -23,19 +23,13 @@ from typing import Any
 
 import torch
 
-from npugraph_runtime import ops
-from npugraph_runtime.devices import backend_for
+from npugraph_runtime.devices import backend_for, device_of
 from npugraph_runtime.errors import NpugraphError
+from npugraph_runtime.scope_keys import USER_STREAM_LABEL
 
 _LABELS = itertools.count(1)
 # label -> the live Stream of that label (weak: a stream nobody holds is not kept by its label)
 _BY_LABEL: weakref.WeakValueDictionary[str, Stream] = weakref.WeakValueDictionary()
-
-
-def _device(device: torch.device | str | None) -> torch.device:
-    from npugraph_runtime.graphs import device_of
-
-    return device_of(device)
 
 
 class Stream:
@@ -48,7 +42,7 @@ class Stream:
                 "stream outside it and use it there with npugraph_runtime.stream(s)"
             )
         if _impl is None:
-            dev = _device(device)
+            dev = device_of(device)
             _impl = backend_for(dev).new_stream(dev)
         self.impl = _impl
         self.device: torch.device = _impl.device
@@ -99,7 +93,7 @@ class Event:
             self.device = torch.device("cpu") if device is None else torch.device(device)
             self.impl: Any = None
             return
-        self.device = _device(device)
+        self.device = device_of(device)
         self.impl = backend_for(self.device).new_event(self.device)
 
     def record(self, stream: Stream | Any = None) -> None:
@@ -147,7 +141,7 @@ def current_stream(device: torch.device | str | None = None) -> Stream:
     (it leaves no scope)."""
     if torch.compiler.is_compiling():
         return _AMBIENT
-    dev = _device(device)
+    dev = device_of(device)
     return Stream(_impl=backend_for(dev).current_stream(dev))
 
 
@@ -182,7 +176,7 @@ def _scope_of(s: Stream | Any) -> Iterator[None]:
             f"compiled code got stream {s!r}: inside torch.compile use an npugraph_runtime.Stream "
             "created outside the compiled function"
         )
-    torch.ops.npugraph_ex.scope_enter([ops.USER_STREAM_LABEL], [s.label])
+    torch.ops.npugraph_ex.scope_enter([USER_STREAM_LABEL], [s.label])
     try:
         yield
     finally:

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from npugraph_runtime.core_limit import core_limit_kind
 from npugraph_runtime.devices.base import PoolHandle, check_capture_error_mode, is_raw_pool_id
+from npugraph_runtime.devices.core_units import green_context_class, npu_limit_api
 from npugraph_runtime.errors import CaptureError, DeviceError, PolicyError
 
 _NPU_MISSING = (
@@ -245,6 +245,14 @@ class AcceleratorBackend:
     def synchronize(self, device: torch.device) -> None:
         self.module.synchronize(self.normalize(device))
 
+    def core_limit_kind(self, device: torch.device) -> str | None:
+        """NPU: "stream_limit", CUDA: "green_context"; None when this torch cannot limit it."""
+        if self.type == "npu":
+            return "stream_limit" if npu_limit_api() is not None else None
+        if self.type == "cuda":
+            return "green_context" if green_context_class() is not None else None
+        return None
+
     def capabilities(self, device: torch.device) -> dict[str, object]:
         dev = self.normalize(device)
         with self.device_guard(dev):
@@ -253,7 +261,7 @@ class AcceleratorBackend:
         caps: dict[str, object] = {
             "graphs": True,
             "graph_class": graph_class,
-            "core_limit": core_limit_kind(dev),
+            "core_limit": self.core_limit_kind(dev),
             "task_update": self.type == "npu"
             and hasattr(self.module, "graph_task_update_begin"),
             "pool_sharing": True,

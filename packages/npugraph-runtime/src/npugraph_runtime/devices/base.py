@@ -81,6 +81,11 @@ class DeviceBackend(Protocol):
 
     def synchronize(self, device: torch.device) -> None: ...
 
+    def core_limit_kind(self, device: torch.device) -> str | None:
+        """How ``limit_core_num`` limits compute units here: "threads" (CPU), "stream_limit"
+        (NPU), "green_context" (CUDA), or None when this torch cannot limit them."""
+        ...
+
     def capabilities(self, device: torch.device) -> dict[str, object]: ...
 
 

@@ -31,6 +31,14 @@ import torch
 
 from npugraph_runtime import _compat
 from npugraph_runtime.devices.base import CAPTURE_ERROR_MODES, PoolHandle, check_capture_error_mode
+from npugraph_runtime.devices.cpu_pool import (
+    Block,
+    CpuPool,
+    Lifetime,
+    cpu_pool,
+    cpu_pool_bytes,
+    new_cpu_pool_handle,
+)
 from npugraph_runtime.devices.cpu_recorder import Recorder, TensorEntry
 from npugraph_runtime.devices.cpu_replay import generate
 from npugraph_runtime.devices.cpu_streams import (
@@ -41,14 +49,6 @@ from npugraph_runtime.devices.cpu_streams import (
     set_event_hooks,
 )
 from npugraph_runtime.errors import CaptureError, DeviceError, PolicyError
-from npugraph_runtime.pool import (
-    Block,
-    CpuPool,
-    Lifetime,
-    cpu_pool,
-    cpu_pool_bytes,
-    new_cpu_pool_handle,
-)
 
 _CPU = torch.device("cpu")
 
@@ -295,12 +295,16 @@ class CpuBackend:
     def synchronize(self, device: torch.device) -> None:
         """CPU work is done when Python regains control."""
 
+    def core_limit_kind(self, device: torch.device) -> str:
+        """``limit_core_num`` sets the intra-op threads."""
+        return "threads"
+
     def capabilities(self, device: torch.device) -> dict[str, object]:
         # same keys as the accelerator backend's, so doctor and callers read one shape
         return {
             "graphs": True,
             "graph_class": "emulated (dispatch-mode recording, generated replay)",
-            "core_limit": "threads",
+            "core_limit": self.core_limit_kind(device),
             "task_update": False,
             "pool_sharing": True,
             "streams": "logical (ordering checked at capture)",

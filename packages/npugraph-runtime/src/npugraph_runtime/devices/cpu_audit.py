@@ -13,9 +13,10 @@ from typing import Any
 
 from npugraph_runtime import _compat
 from npugraph_runtime.devices.cpu import CpuGraph
-from npugraph_runtime.devices.cpu_kernels import Kind, overload_name
+from npugraph_runtime.devices.cpu_kernels import Kind
 from npugraph_runtime.devices.cpu_replay import _Resolver
 from npugraph_runtime.errors import CaptureError
+from npugraph_runtime.schema import overload_name
 
 # kernels that re-issue a functional op in another form: the ones an audit compares with eager
 _REWRITTEN = frozenset({Kind.COPY, Kind.COPY_INTO, Kind.OUT_PUBLIC, Kind.OUT_OVERLOAD})

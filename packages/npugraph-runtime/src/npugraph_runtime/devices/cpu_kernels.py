@@ -31,6 +31,10 @@ import torch
 
 from npugraph_runtime import _compat
 
+# re-exported: the recorder reads them from here (the schema helpers live in the neutral schema.py)
+from npugraph_runtime.schema import overload_name as overload_name
+from npugraph_runtime.schema import write_positions as write_positions
+
 
 class Kind(enum.Enum):
     SKIP = "skip"  # views, allocations, ops with no tensor result: nothing to do at replay
@@ -56,28 +60,8 @@ _ALLOCATIONS = frozenset(
 )
 
 
-def overload_name(func: Any) -> str:
-    schema = _compat.op_schema(func)
-    return f"{schema.name}.{schema.overload_name}" if schema.overload_name else str(schema.name)
-
-
 def is_allocation(func: Any) -> bool:
     return overload_name(func) in _ALLOCATIONS
-
-
-@cache
-def write_positions(func: Any) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """Positional indices and keyword names of the arguments the op writes (``Tensor(a!)``).
-    Cached: it is asked for every op of every capture."""
-    positions: list[int] = []
-    names: list[str] = []
-    for i, arg in enumerate(_compat.op_schema(func).arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            if arg.kwarg_only:
-                names.append(arg.name)
-            else:
-                positions.append(i)
-    return tuple(positions), tuple(names)
 
 
 def single_tensor_returns(func: Any) -> bool:
