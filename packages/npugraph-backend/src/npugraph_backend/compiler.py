@@ -22,6 +22,7 @@ from npugraph_passes import PassManager
 from npugraph_passes.stream_scopes import lower_stream_scopes
 from npugraph_runtime import CapturePolicy, InputSpec, OutputSpec
 from npugraph_runtime.callsite import warn_at_caller
+from npugraph_runtime.counters import REQUIRES_GRAD, UNSAFE_OP, fallback_counter
 from npugraph_runtime.devices import inputs_device
 from npugraph_runtime.graphs import as_pool_handle
 
@@ -236,7 +237,7 @@ def compile_graph(
             f"npugraph_ex: {name} runs eagerly (never captured) because it {eager_reason}",
             EagerFallbackWarning,
         )
-        _compat.counters()[f"eager_fallback_due_to_unsafe_op_{name}"] += 1
+        _compat.counters()[fallback_counter(UNSAFE_OP, name)] += 1
         log.info("%s falls back to eager: %s", name, eager_reason)
     return CompiledGraph(gm, specs.inputs, specs.outputs, config, name, device, eager_reason,
                          debug)
@@ -277,7 +278,7 @@ class EagerCompiler:
             "call the compiled model under torch.no_grad() or torch.inference_mode()",
             EagerFallbackWarning,
         )
-        _compat.counters()["eager_fallback_due_to_requires_grad"] += 1
+        _compat.counters()[fallback_counter(REQUIRES_GRAD)] += 1
         return _compat.make_boxed(gm.forward)
 
 

@@ -16,7 +16,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from npugraph_cache.errors import CacheArgumentError, CacheEntryError, CacheTypeError, describe
+from npugraph_cache.errors import (
+    CacheArgumentError,
+    CacheEntryError,
+    CacheTypeError,
+    FormatError,
+    describe,
+)
 from npugraph_cache.store import CacheStore
 
 _RULE = "=" * 100
@@ -38,12 +44,12 @@ def _mapping(metadata: dict[str, Any], name: str) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise ValueError(f"metadata field {name!r} is {type(value).__name__}, expected an object")
+        raise FormatError(f"metadata field {name!r} is {type(value).__name__}, expected an object")
     return value
 
 
 def render(metadata: dict[str, Any], path: Path, authenticated: bool = True) -> str:
-    """ValueError (one line) when the metadata does not have the shape we write."""
+    """FormatError (a ValueError, one line) when the metadata does not have the shape we write."""
     key = _mapping(metadata, "key")
     env = _mapping(key, "environment")
     options = _mapping(metadata, "options")

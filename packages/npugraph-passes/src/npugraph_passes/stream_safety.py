@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from npugraph_passes._compat import OpOverload
+from npugraph_passes._compat import OpOverload, op_schema
 
 USER_STREAM_LABEL = "_user_stream_label"
 
@@ -25,7 +25,7 @@ def _marker(node: torch.fx.Node, name: str) -> bool:
     target = node.target
     if node.op != "call_function" or not isinstance(target, OpOverload):
         return False
-    return bool(target.namespace == "npugraph_ex" and target._schema.name.split("::")[-1] == name)
+    return bool(target.namespace == "npugraph_ex" and op_schema(target).name.split("::")[-1] == name)
 
 
 def is_scope_enter(node: torch.fx.Node) -> bool:
