@@ -25,12 +25,14 @@ COMPILE_ONLY = (
     "npugraph_passes.noop",
     "npugraph_passes.reinplace",
     "npugraph_passes.stream_scopes",
+    "npugraph_backend.specs",
     "npugraph_backend.dfx.data_dump",
     "npugraph_backend.dfx.deadlock",
     "npugraph_backend.dfx.debug",
 )
 # Never imported by the inference path, cold or warm.
-NEVER = ("npugraph_ex.bench", "npugraph_ex.demo", "npugraph_ex.hf", "npugraph_ex.models", "transformers")
+NEVER = ("npugraph_cache.readable", "npugraph_ex.bench", "npugraph_ex.demo", "npugraph_ex.hf", "npugraph_ex.models",
+         "transformers")
 
 
 def _run(cache_dir: Path, out: Path) -> dict[str, Any]:

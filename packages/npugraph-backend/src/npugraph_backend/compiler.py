@@ -26,7 +26,6 @@ from npugraph_backend import _compat, process_groups
 from npugraph_backend.config import NPU_ONLY_OPTIONS, CompilerConfig, rebuild_config
 from npugraph_backend.dfx import ranges
 from npugraph_backend.logs import log
-from npugraph_backend.specs import build_specs
 
 
 class EagerFallbackWarning(UserWarning):
@@ -232,6 +231,7 @@ def compile_graph(
     from npugraph_passes.stream_scopes import lower_stream_scopes
 
     from npugraph_backend.dfx import data_dump, deadlock
+    from npugraph_backend.specs import build_specs
 
     config = config.copy()
     name = next_graph_name()
