@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from npugraph_backend import CompiledGraph, CompilerConfig, npugraph_ex_backend
 from npugraph_backend.serialization import observe_compiled, pass_identity, versions
-from npugraph_cache import CacheArgumentError, CacheCompiledFunction, EntryData, readable_cache
+from npugraph_cache import CacheArgumentError, CacheCompiledFunction, EntryData
 from npugraph_cache import cache_compile as _cache_compile
 from npugraph_runtime.devices.cpu_kernels import kernel_decisions, seed_kernel_decisions
+
+if TYPE_CHECKING:
+    from npugraph_cache import readable_cache
 
 __all__ = ["cache_compile", "readable_cache"]
 
@@ -112,3 +115,13 @@ def cache_compile(
         parameter_guards=False,
         **kwargs,
     )
+
+
+def __getattr__(name: str) -> Any:
+    # readable_cache on first use: a warm start does not need it
+    if name == "readable_cache":
+        from npugraph_cache import readable_cache
+
+        globals()[name] = readable_cache
+        return readable_cache
+    raise AttributeError(f"module 'npugraph_ex.inference' has no attribute {name!r}")

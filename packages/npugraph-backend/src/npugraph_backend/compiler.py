@@ -18,8 +18,6 @@ from typing import Any
 import npugraph_runtime
 import torch
 import torch.fx
-from npugraph_passes import PassManager
-from npugraph_passes.stream_scopes import lower_stream_scopes
 from npugraph_runtime import CapturePolicy, InputSpec, OutputSpec
 from npugraph_runtime.callsite import warn_at_caller
 from npugraph_runtime.counters import REQUIRES_GRAD, UNSAFE_OP, fallback_counter
@@ -28,10 +26,8 @@ from npugraph_runtime.graphs import as_pool_handle
 
 from npugraph_backend import _compat, process_groups
 from npugraph_backend.config import NPU_ONLY_OPTIONS, CompilerConfig, rebuild_config
-from npugraph_backend.dfx import data_dump, deadlock, ranges
-from npugraph_backend.dfx import debug as debug_dumps
+from npugraph_backend.dfx import ranges
 from npugraph_backend.logs import log
-from npugraph_backend.specs import build_specs
 
 
 class EagerFallbackWarning(UserWarning):
@@ -69,6 +65,10 @@ def warn_npu_only_options(config: CompilerConfig, device: torch.device) -> None:
 
 def begin_debug(dynamo_gm: torch.fx.GraphModule | None) -> Any:
     """The TORCH_COMPILE_DEBUG session of one graph, or None when debugging is off."""
+    # The dfx modules and the passes are imported by the compile (and a dump) only: a graph
+    # loaded from the compile cache needs neither.
+    from npugraph_backend.dfx import debug as debug_dumps
+
     return debug_dumps.DebugSession.begin(dynamo_gm)
 
 
@@ -80,6 +80,8 @@ def run_passes(
     observer: Callable[[str, torch.fx.GraphModule, Any], None] | None = None,
 ) -> None:
     """Custom pre pass, built-ins, custom post pass, then the capture-safety lint."""
+    from npugraph_passes import PassManager
+
     pm = PassManager.from_config(config)
     records = pm.run(gm, example_inputs, config, observer=observer)
     if log.isEnabledFor(logging.DEBUG):
@@ -145,6 +147,8 @@ class CompiledGraph:
     def _build(self, debug: Any = None) -> None:
         if _dump_original(self.config):
             # The un-optimised graph, run eagerly by the dumper: nothing is captured.
+            from npugraph_backend.dfx import data_dump
+
             self.runner = None
             self._fn = data_dump.original_runner(self.gm, self.config)
             return
@@ -158,10 +162,14 @@ class CompiledGraph:
             )
             fn = self.runner
             if debug is not None:
+                from npugraph_backend.dfx import debug as debug_dumps
+
                 summary = debug_dumps.spec_summary(self.gm, self.inputs, policy, self.outputs)
                 debug.output_code(self.gm, summary)
                 fn = debug.watch(self.runner, summary)
         if self.config.dump_tensor_data:
+            from npugraph_backend.dfx import data_dump
+
             fn = data_dump.after_each_call(fn, self.gm)
         self._fn = process_groups.guard(fn, self.gm, self.name)
 
@@ -203,6 +211,11 @@ def compile_graph(
 ) -> CompiledGraph:
     """Passes, specs, then the runtime's GraphedCallable. ``config`` is not modified.
     ``debug``: the TORCH_COMPILE_DEBUG session of this graph (None: begin one if enabled)."""
+    from npugraph_passes.stream_scopes import lower_stream_scopes
+
+    from npugraph_backend.dfx import data_dump, deadlock
+    from npugraph_backend.specs import build_specs
+
     config = config.copy()
     name = next_graph_name()
     device = inputs_device(example_inputs)

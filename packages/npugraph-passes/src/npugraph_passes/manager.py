@@ -7,6 +7,8 @@ exception in a :class:`PassError` that names the pass.
 
 from __future__ import annotations
 
+import importlib
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -93,29 +95,55 @@ def _count(graph: torch.fx.Graph) -> int:
     return len(graph.nodes)
 
 
+# The built-in passes' modules, by the option that enables them. A warm start only needs the
+# manager's identity (for the cache key), which hashes the package's sources, never the pass
+# objects: so a pass's module is imported when the pass first runs.
+_BUILTIN_MODULES: dict[str, str] = {
+    "remove_noop_ops": "npugraph_passes.noop",
+    "remove_cat_ops": "npugraph_passes.cat",
+    "inplace_pass": "npugraph_passes.reinplace",
+    "input_inplace_pass": "npugraph_passes.reinplace",
+    "pattern_fusion_pass": "npugraph_passes.fusion",
+    "lower_auto_functionalized": "npugraph_passes.reinplace",
+    "dead_code_elimination": "npugraph_passes.cleanup",
+    "capture_safety_lint": "npugraph_passes.lint",
+}
+
+
+class _BuiltinPass:
+    """A built-in pass imported on its first call (see _BUILTIN_MODULES)."""
+
+    def __init__(self, name: str) -> None:
+        self.__name__ = name
+        self._fn: PassFn | None = None
+
+    def resolve(self) -> PassFn:
+        if self._fn is None:
+            fn: PassFn = getattr(importlib.import_module(_BUILTIN_MODULES[self.__name__]), self.__name__)
+            self._fn = fn
+        return self._fn
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> None:
+        self.resolve()(gm, example_inputs, config)
+
+    def __repr__(self) -> str:
+        return f"<built-in pass {_BUILTIN_MODULES[self.__name__]}.{self.__name__}>"
+
+
 def _builtin_pass(option: str) -> PassFn:
-    # Imported here so that importing the manager stays cheap and cycles are impossible.
-    if option == "remove_noop_ops":
-        from npugraph_passes.noop import remove_noop_ops
+    if option not in _BUILTIN_MODULES:
+        raise ValueError(f"unknown built-in pass {option!r}; allowed: {', '.join(BUILTIN_OPTIONS)}")
+    return _BuiltinPass(option)
 
-        return remove_noop_ops
-    if option == "remove_cat_ops":
-        from npugraph_passes.cat import remove_cat_ops
 
-        return remove_cat_ops
-    if option == "inplace_pass":
-        from npugraph_passes.reinplace import inplace_pass
-
-        return inplace_pass
-    if option == "input_inplace_pass":
-        from npugraph_passes.reinplace import input_inplace_pass
-
-        return input_inplace_pass
-    if option == "pattern_fusion_pass":
-        from npugraph_passes.fusion import pattern_fusion_pass
-
-        return pattern_fusion_pass
-    raise ValueError(f"unknown built-in pass {option!r}; allowed: {', '.join(BUILTIN_OPTIONS)}")
+def _user_rule_digests() -> tuple[str, ...]:
+    # Rules can only be registered through npugraph_passes.fusion, so none exist while it is not
+    # imported (a warm start's key must not pay for importing it).
+    fusion = sys.modules.get("npugraph_passes.fusion")
+    if fusion is None:
+        return ()
+    digests: tuple[str, ...] = fusion.user_rule_digests()
+    return digests
 
 
 def _check_bool(option: str, value: object) -> bool:
@@ -140,15 +168,10 @@ class PassManager:
     lint). See the package README for why."""
 
     def __init__(self, passes: Sequence[GraphPass]) -> None:
-        from npugraph_passes.cleanup import dead_code_elimination
-        from npugraph_passes.lint import capture_safety_lint
-        from npugraph_passes.reinplace import lower_auto_functionalized
-
         self.passes: list[GraphPass] = list(passes)
         self.tail: list[GraphPass] = [
-            GraphPass(lower_auto_functionalized, "lower_auto_functionalized", builtin=True),
-            GraphPass(dead_code_elimination, "dead_code_elimination", builtin=True),
-            GraphPass(capture_safety_lint, "capture_safety_lint", builtin=True),
+            GraphPass(_builtin_pass(name), name, builtin=True)
+            for name in ("lower_auto_functionalized", "dead_code_elimination", "capture_safety_lint")
         ]
 
     @classmethod
@@ -163,9 +186,7 @@ class PassManager:
             if _check_bool(option, getattr(config, option, True)):
                 reads: dict[str, object] = {option: True}
                 if option == "pattern_fusion_pass":
-                    from npugraph_passes.fusion import user_rule_digests
-
-                    reads["registered_replacements"] = user_rule_digests()
+                    reads["registered_replacements"] = _user_rule_digests()
                 passes.append(GraphPass(_builtin_pass(option), option, reads, builtin=True))
         post = _check_user_pass("post_grad_custom_post_pass", getattr(config, "post_grad_custom_post_pass", None))
         if post is not None:
