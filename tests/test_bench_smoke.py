@@ -7,20 +7,28 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 ENV_KEYS = {"torch", "python", "device", "git_commit", "cores"}
 
 
-def test_bench_quick_section_a_writes_json_with_environment_and_figures(tmp_path: Path) -> None:
+def _quick_bench(tmp_path: Path, section: str) -> dict[str, Any]:
+    """``npugraph-ex bench --quick --only <section>`` in a subprocess; its bench.json."""
     proc = subprocess.run(
-        [sys.executable, "-m", "npugraph_ex.cli", "bench", "--quick", "--only", "a",
+        [sys.executable, "-m", "npugraph_ex.cli", "bench", "--quick", "--only", section,
          "--no-progress", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    doc = json.loads((tmp_path / "bench.json").read_text())
+    doc: dict[str, Any] = json.loads((tmp_path / "bench.json").read_text())
+    return doc
+
+
+def test_bench_quick_section_a_writes_json_with_environment_and_figures(tmp_path: Path) -> None:
+    doc = _quick_bench(tmp_path, "a")
     assert set(doc["environment"]) >= ENV_KEYS
     assert list(doc["sections"]) == ["a"]
     section = doc["sections"]["a"]
@@ -41,3 +49,25 @@ def test_bench_refuses_an_unknown_section() -> None:
 
     with pytest.raises(SystemExit, match="unknown section"):
         selected("a,z")
+
+
+def test_bench_quick_section_h_lists_audited_ops(tmp_path: Path) -> None:
+    """Bench (h), the per-op kernel audit, lists ops with both timings (reported, not judged)."""
+    section = _quick_bench(tmp_path, "h")["sections"]["h"]
+    assert section["error"] == ""
+    ops = section["data"]["llama-tiny-b8"]["ops"]
+    assert ops and all(o["replay_s"] > 0 and o["eager_s"] > 0 for o in ops)
+    assert {"aten::mm", "aten::_scaled_dot_product_flash_attention_for_cpu"} <= {o["op"] for o in ops}
+    names = [f["name"] for f in section["figures"]]
+    assert "llama-tiny-b8: op kinds slower than eager" in names
+
+
+def test_bench_c_refuses_an_unknown_decode_case(tmp_path: Path) -> None:
+    from npugraph_ex.bench.context import BenchContext
+    from npugraph_ex.bench.decode import cases_for
+
+    ctx = BenchContext(device=torch.device("cpu"), out=tmp_path, decode_cases=("llama-huge",))
+    with pytest.raises(ValueError, match="llama-huge"):
+        cases_for(ctx, ("llama", "gpt2"))
+    ctx.decode_cases = ("llama-medium-b8",)
+    assert cases_for(ctx, ("llama", "gpt2")) == [("llama", "medium", 8)]
