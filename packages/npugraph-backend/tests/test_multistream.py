@@ -224,26 +224,6 @@ def _aot_compile(fn: Callable[..., Any], args: list[Any]) -> tuple[Any, list[Any
     return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False), made
 
 
-def test_portable_scope_api_by_tag_equal_eager_without_races(counter: Callable[[str], int]) -> None:
-    from npugraph_ex import scope
-
-    def fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        with scope.stream("side_a"):
-            a = (x @ w).tanh()
-        with scope.stream("side_b"):
-            b = x.exp()
-        scope.wait([a, b])
-        return a * b
-
-    compiled = _compile(fn)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ngr.CrossStreamWarning)
-        for _ in range(5):
-            x, w = torch.randn(4, 4), torch.randn(4, 4)
-            torch.testing.assert_close(compiled(x, w), fn(x, w))
-    assert counter("captured_") == 1
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 def test_two_branches_on_two_cuda_streams_equal_eager(counter: Callable[[str], int]) -> None:
