@@ -342,3 +342,75 @@ def resolve_process_group(group_name: str) -> Any:
 
     resolve: Callable[[str], Any] = distributed_c10d._resolve_process_group  # type: ignore[attr-defined,assignment]
     return resolve(group_name)
+
+
+# --- torch_streams.py: dynamo's own stream ops (torch.Stream / torch.Event in compiled code) -----
+# Checked on torch 2.13.0: dynamo traces ``with stream:`` as ``node.meta["custom"]["stream"] =
+# index`` and Stream/Event methods as ``torch.ops.streams.<name>(event_index, stream_index, ...)``;
+# the index names an object of ``torch._dynamo.graph_bytecode_inputs`` (the trace-time object
+# while the backend runs). Older torch (2.11) has no ``torch.ops.streams``: nothing to rewrite.
+DYNAMO_STREAM_NAMESPACE = "streams"
+
+
+def stream_op_name(node: torch.fx.Node) -> str | None:
+    """The name of a ``torch.ops.streams`` op called by ``node`` (OpOverloadPacket or overload)."""
+    if node.op != "call_function":
+        return None
+    target: Any = node.target
+    qualified = getattr(target, "_qualified_op_name", None)  # OpOverloadPacket
+    if qualified is None and hasattr(target, "_schema"):  # OpOverload
+        qualified = str(target._schema.name)
+    if not isinstance(qualified, str) or "::" not in qualified:
+        return None
+    namespace, name = qualified.split("::", 1)
+    return name if namespace == DYNAMO_STREAM_NAMESPACE else None
+
+
+def is_external_object_lookup(node: torch.fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    target: Any = node.target
+    return (
+        getattr(target, "__name__", "") == "get_external_object_by_index"
+        and getattr(target, "__module__", "") == "torch._dynamo.graph_bytecode_inputs"
+    )
+
+
+def external_object(index: int) -> Any:
+    """The object dynamo registered under ``index`` for the graph being traced, or None."""
+    try:
+        from torch._dynamo.graph_bytecode_inputs import get_external_object_by_index
+    except ImportError:  # pragma: no cover - older torch
+        return None
+    try:
+        return get_external_object_by_index(index)
+    except AssertionError:
+        return None
+
+
+def install_cpu_stream_hint(message: str) -> None:
+    """Checked on torch 2.13.0: ``SymbolicStreamState.cur_stream`` indexes an empty deque when no
+    accelerator is available (``Event.record()`` / ``Event.wait()`` with no stream, on the CPU),
+    which surfaces as a bare ``IndexError``. Wrapped once so it is dynamo's ``Unsupported`` with
+    ``message`` instead (a graph break; with ``fullgraph=True`` the user reads the message)."""
+    try:
+        from torch._dynamo.exc import unimplemented
+        from torch._dynamo.variables.streams import SymbolicStreamState
+    except ImportError:  # pragma: no cover - older torch
+        return
+    original = SymbolicStreamState.cur_stream
+    if getattr(original, "_npugraph_ex_hint", False):
+        return
+
+    def cur_stream(self: Any, device: torch.device | None = None) -> Any:
+        if not self.cur_stream_stack:
+            unimplemented(
+                gb_type="torch.Event without a stream on a device with no accelerator",
+                context="torch.Event.record() / wait() with no stream argument",
+                explanation=message,
+                hints=[],
+            )
+        return original(self, device)
+
+    cur_stream._npugraph_ex_hint = True  # type: ignore[attr-defined]
+    SymbolicStreamState.cur_stream = cur_stream  # type: ignore[method-assign]

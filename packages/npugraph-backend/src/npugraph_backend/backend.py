@@ -26,6 +26,7 @@ from npugraph_backend.compiler import (
 )
 from npugraph_backend.config import CompilerConfig, OptionError
 from npugraph_backend.logs import log
+from npugraph_backend.torch_streams import rewrite_torch_streams
 
 
 class ModeIgnoredWarning(UserWarning):
@@ -67,6 +68,8 @@ def npugraph_ex_backend(
         )
     warn_npu_only_options(config, inputs_device(example_inputs))
 
+    # torch.Stream / torch.Event: into our scope ops, so one lowering serves every stream API
+    rewrite_torch_streams(gm)
     needs_grad = _inputs_needing_grad(example_inputs)
     if torch.is_grad_enabled() and needs_grad:
         warn_at_caller(

@@ -1,0 +1,201 @@
+"""``torch.Stream`` / ``torch.Event`` (and ``torch.cuda.Stream`` / ``torch.cuda.Event``) in compiled
+code, turned into the graph's own scope ops before AOT.
+
+torch 2.13's dynamo traces ``with s:`` as a ``"stream"`` annotation of the enclosed nodes and the
+Stream/Event methods as ``torch.ops.streams`` ops whose arguments are indices of the traced stream
+and event objects. :func:`rewrite_torch_streams` rewrites both into what
+``npugraph_runtime.stream`` / ``Event`` leave in a graph (``npugraph_ex.scope_enter`` with
+``"_user_stream_label"``, ``record()`` tokens and ``wait([token])``), so one lowering
+(``npugraph_passes.stream_scopes``) serves every stream API and every device:
+
+* a stream that is the current stream of its device when traced is the graph's own stream; every
+  other stream object becomes a side stream of this graph (labelled ``torch_stream_<graph>_<index>``).
+  On CUDA/NPU the user's stream itself runs the side-stream ops. On the CPU torch has one stream
+  (every ``torch.Stream("cpu")`` is it, and ``torch.Event`` cannot be recorded eagerly): a CPU
+  stream object that some ``with`` block of the graph runs ops on becomes a logical side stream of
+  the emulated graph, with its race detection, as a side stream would be on a GPU; one that is only
+  recorded on or waited by is the current stream it equals, i.e. the graph's own;
+* ``Event.record(s)`` / ``Stream.record_event()`` -> a token recorded on ``s``; ``Event.wait(s)``
+  -> ``s`` waits for the event's last record in the graph (an event recorded before the graph
+  started orders nothing inside it and is dropped); ``a.wait_stream(b)`` -> a record on ``b`` that
+  ``a`` waits for;
+* ``Tensor.record_stream`` and dynamo's deallocation syncs are dropped: the captured graph keeps
+  every tensor it uses alive until the graph itself is released;
+* ``synchronize()`` of an event, stream or device is a host wait, which no device graph can hold:
+  it is refused naming the node.
+
+On a machine without an accelerator, torch 2.13's dynamo has no current stream, so
+``Event.record()`` / ``wait()`` *without* a stream argument cannot be traced; importing this module
+makes that a clear graph break (an error under ``fullgraph=True``) naming what to write instead."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+import torch.fx
+from npugraph_runtime.errors import NpugraphError
+from npugraph_runtime.ops import register_user_stream
+from npugraph_runtime.scope_keys import USER_STREAM_LABEL
+
+from npugraph_backend import _compat
+
+_GRAPHS = itertools.count(1)
+_DROPPED = frozenset({"record_stream"})
+# node kinds that run ops (dynamo also annotates placeholders, which run nothing)
+_COMPUTE = frozenset({"call_function", "call_method", "call_module"})
+_HOST_SYNCS = {
+    "synchronize_event": "torch.Event.synchronize()",
+    "synchronize_stream": "torch.Stream.synchronize()",
+    "synchronize_device": "torch.accelerator.synchronize() / torch.cuda.synchronize()",
+}
+
+NO_CPU_STREAM_HINT = (
+    "torch.Event.record() / wait() without a stream cannot be traced on a machine with no "
+    "accelerator (torch's dynamo knows no current CPU stream, and torch.Event cannot be recorded "
+    "on the CPU). Pass the stream (event.record(s), event.wait(s)), or use npugraph_runtime.Stream"
+    " / Event / stream(s) or npugraph_ex.scope.stream(tag) / record() / wait(tensors), which trace"
+    " on every device."
+)
+_compat.install_cpu_stream_hint(NO_CPU_STREAM_HINT)
+
+
+class TorchStreamError(NpugraphError):
+    """A stream operation in compiled code that a device graph cannot hold."""
+
+
+def _annotation(node: torch.fx.Node) -> int | None:
+    custom = node.meta.get("custom")
+    index = custom.get("stream") if isinstance(custom, dict) else None
+    return index if isinstance(index, int) else None
+
+
+def _is_current(stream: torch.Stream) -> bool:
+    if stream.device.type == "cpu":
+        return False  # decided by its use (see the module docstring)
+    try:
+        return bool(stream == torch.accelerator.current_stream(stream.device))
+    except RuntimeError:
+        return False
+
+
+def _where(node: torch.fx.Node) -> str:
+    trace = node.meta.get("stack_trace")
+    last = str(trace).strip().splitlines()[-2:] if trace else []
+    return f" at {' '.join(s.strip() for s in last)}" if last else ""
+
+
+class _Rewriter:
+    def __init__(self, gm: torch.fx.GraphModule, with_streams: set[int]) -> None:
+        self.graph = gm.graph
+        self.with_streams = with_streams  # stream indices some node is annotated with
+        self.prefix = f"torch_stream_{next(_GRAPHS)}"
+        self.labels: dict[int, str | None] = {}
+        self.tokens: dict[int, torch.fx.Node] = {}  # event index -> token of its last record
+        self.open: str | None = None  # label of the annotation scope open before the next node
+        self.ops: Any = torch.ops.npugraph_ex
+
+    def label(self, index: int) -> str | None:
+        if index not in self.labels:
+            obj = _compat.external_object(index)
+            cpu_current = (
+                isinstance(obj, torch.Stream)
+                and obj.device.type == "cpu"
+                and index not in self.with_streams
+            )
+            if cpu_current or (isinstance(obj, torch.Stream) and _is_current(obj)):
+                self.labels[index] = None
+            else:
+                label = self.labels[index] = f"{self.prefix}_{index}"
+                if isinstance(obj, torch.Stream) and obj.device.type != "cpu":
+                    register_user_stream(label, obj)  # the user's own device stream
+        return self.labels[index]
+
+    def _enter(self, before: torch.fx.Node, label: str) -> None:
+        with self.graph.inserting_before(before):
+            self.graph.call_function(self.ops.scope_enter.default, ([USER_STREAM_LABEL], [label]))
+
+    def _exit(self, before: torch.fx.Node) -> None:
+        with self.graph.inserting_before(before):
+            self.graph.call_function(self.ops.scope_exit.default, ())
+
+    def switch(self, before: torch.fx.Node, label: str | None) -> None:
+        """Make ``label`` (None: the graph's stream) the stream of the nodes from ``before`` on."""
+        if label == self.open:
+            return
+        if self.open is not None:
+            self._exit(before)
+        if label is not None:
+            self._enter(before, label)
+        self.open = label
+
+    def on(self, before: torch.fx.Node, stream_index: Any, target: Any, args: Any) -> torch.fx.Node:
+        """``target(*args)`` inserted before ``before``, on the stream of ``stream_index``."""
+        self.switch(before, self.label(stream_index) if isinstance(stream_index, int) else None)
+        with self.graph.inserting_before(before):
+            return self.graph.call_function(target, args)
+
+    def stream_op(self, node: torch.fx.Node, name: str) -> None:
+        args = node.args
+        if name == "record_event":
+            self.tokens[int(args[0])] = self.on(node, args[1], self.ops.record.default, ())  # type: ignore[arg-type]
+        elif name in ("wait_event", "sync_dealloc"):
+            token = self.tokens.get(int(args[0]))  # type: ignore[arg-type]
+            if token is not None:
+                self.on(node, args[1], self.ops.wait.default, ([token],))
+        elif name == "wait_stream":
+            token = self.on(node, args[1], self.ops.record.default, ())
+            self.on(node, args[0], self.ops.wait.default, ([token],))
+        elif name in _HOST_SYNCS:
+            raise TorchStreamError(
+                f"{_HOST_SYNCS[name]} in a compiled function (node {node.name!r}{_where(node)}) "
+                "waits on the host, which a device graph cannot capture: call it after the "
+                "compiled function returns, or order the streams with Event.record / Event.wait"
+            )
+        elif name not in _DROPPED:
+            raise TorchStreamError(
+                f"torch.ops.streams.{name} (node {node.name!r}{_where(node)}) is not supported by "
+                "npugraph_ex; use with-stream blocks, Event.record/wait and Stream.wait_stream"
+            )
+        self.graph.erase_node(node)
+
+    def run(self) -> None:
+        for node in list(self.graph.nodes):
+            if node.op in ("placeholder", "get_attr"):
+                continue
+            if node.op == "output":
+                self.switch(node, None)
+                continue
+            name = _compat.stream_op_name(node)
+            if name is not None:
+                self.stream_op(node, name)
+                continue
+            if _compat.is_external_object_lookup(node):
+                if not node.users:
+                    self.graph.erase_node(node)
+                continue
+            index = _annotation(node)
+            self.switch(node, self.label(index) if index is not None else None)
+
+
+def rewrite_torch_streams(gm: torch.fx.GraphModule) -> bool:
+    """Rewrite dynamo's stream annotations and ``torch.ops.streams`` ops of ``gm`` (a dynamo
+    graph) into npugraph_ex scope ops, in place. Returns whether anything changed."""
+    nodes = list(gm.graph.nodes)
+    with_streams = {i for n in nodes if n.op in _COMPUTE and (i := _annotation(n)) is not None}
+    if not with_streams and not any(_compat.stream_op_name(n) for n in nodes):
+        return False
+    _Rewriter(gm, with_streams).run()
+    for node in gm.graph.nodes:
+        custom = node.meta.get("custom")
+        if isinstance(custom, dict) and "stream" in custom:
+            # AOT would otherwise apply torch's own stream handling to the annotation as well
+            rest = {k: v for k, v in custom.items() if k != "stream"}
+            if rest:
+                node.meta["custom"] = rest
+            else:
+                del node.meta["custom"]
+    gm.graph.lint()
+    gm.recompile()
+    return True

@@ -1,0 +1,148 @@
+"""torch.Stream / torch.Event (and torch.cuda's) in compiled code: dynamo's stream annotations and
+``torch.ops.streams`` ops become the graph's own streams and events (npugraph_backend.torch_streams).
+
+On the CPU, torch itself cannot record a ``torch.Event`` (eagerly either): the reference is the
+same computation without the stream calls, which cannot change values."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import npugraph_runtime as ngr
+import pytest
+import torch
+from npugraph_backend import _compat
+from npugraph_runtime.devices.cpu_streams import current_cpu_stream
+
+_seen: list[int] = []
+_lib = torch.library.Library("npugraph_ex_test_ts", "FRAGMENT")
+_lib.define("which_stream(Tensor x) -> Tensor")
+
+
+def _which_stream(x: torch.Tensor) -> torch.Tensor:
+    _seen.append(current_cpu_stream().id)
+    return x.clone()
+
+
+_lib.impl("which_stream", _which_stream, "CompositeExplicitAutograd")
+torch.library.register_fake("npugraph_ex_test_ts::which_stream", lambda x: torch.empty_like(x), lib=_lib)
+_ts = torch.ops.npugraph_ex_test_ts
+
+MAIN = torch.Stream("cpu")  # only recorded on / waited by: the graph's own stream
+SIDE1 = torch.Stream("cpu")
+SIDE2 = torch.Stream("cpu")
+
+
+def two_branches(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The seed's scenario written with torch's device-agnostic streams and events."""
+    done1, done2 = torch.Event("cpu"), torch.Event("cpu")
+    SIDE1.wait_stream(MAIN)
+    SIDE2.wait_stream(MAIN)
+    with SIDE1:
+        a = _ts.which_stream((x @ w1).relu())
+    done1.record(SIDE1)
+    with SIDE2:
+        b = _ts.which_stream((x @ w2).sigmoid())
+    done2.record(SIDE2)
+    done1.wait(MAIN)
+    done2.wait(MAIN)
+    return _ts.which_stream(a + b)
+
+
+def reference(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    return (x @ w1).relu() + (x @ w2).sigmoid()
+
+
+def _compile(fn: Callable[..., Any], **options: object) -> Any:
+    return torch.compile(fn, backend="npugraph_ex", fullgraph=True, options=dict(options))
+
+
+def _inputs() -> list[torch.Tensor]:
+    return [torch.randn(8, 16), torch.randn(16, 16), torch.randn(16, 16)]
+
+
+def test_torch_event_cannot_be_recorded_on_the_cpu_eagerly() -> None:
+    # why the reference below is the stream-free computation
+    with pytest.raises(RuntimeError, match="doesn't support events"):
+        torch.Event("cpu").record(SIDE1)
+
+
+def test_torch_streams_two_branches_equal_eager_with_one_capture(
+    counter: Callable[[str], int],
+) -> None:
+    compiled = _compile(two_branches)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ngr.CrossStreamWarning)
+        for _ in range(10):
+            args = _inputs()
+            _seen.clear()
+            torch.testing.assert_close(compiled(*args), reference(*args))
+    assert counter("captured_") == 1
+    assert _compat.dynamo_counters()["stats"]["unique_graphs"] == 1
+    assert sum(_compat.dynamo_counters()["recompiles"].values()) == 0
+    # the last replay ran each branch on its own logical stream and the join on the default one
+    first, second, joined = _seen
+    assert first != 0 and second != 0 and first != second and joined == 0
+    assert current_cpu_stream().id == 0
+
+
+def test_torch_stream_use_without_an_event_warns() -> None:
+    def racy(x: torch.Tensor) -> torch.Tensor:
+        SIDE1.wait_stream(MAIN)
+        with SIDE1:
+            y = x.exp()
+        return y + 1  # no event: the graph's stream may read y before SIDE1 wrote it
+
+    with pytest.warns(ngr.CrossStreamWarning, match="no event between them"):
+        _compile(racy)(torch.randn(4))
+
+
+def test_torch_event_without_a_stream_on_the_cpu_names_what_to_use() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        e = torch.Event("cpu")
+        with SIDE1:
+            y = x * 2
+        e.record()
+        return y
+
+    with pytest.raises(Exception, match=r"npugraph_ex\.scope\.stream\(tag\)") as info:
+        _compile(fn)(torch.ones(3))
+    assert "IndexError" not in repr(info.value)
+
+
+def test_synchronize_inside_a_compiled_function_is_refused_naming_the_node() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        with SIDE1:
+            y = x * 2
+        SIDE1.synchronize()
+        return y
+
+    with pytest.raises(Exception, match=r"torch.Stream.synchronize\(\) in a compiled function"):
+        _compile(fn)(torch.ones(3))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_torch_cuda_streams_two_branches_equal_eager(counter: Callable[[str], int]) -> None:
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def fn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        main = torch.cuda.current_stream()
+        s1.wait_stream(main)
+        s2.wait_stream(main)
+        with torch.cuda.stream(s1):
+            a = (x @ w1).relu()
+        with torch.cuda.stream(s2):
+            b = (x @ w2).sigmoid()
+        main.wait_stream(s1)
+        main.wait_stream(s2)
+        return a + b
+
+    compiled = _compile(fn)
+    for _ in range(10):
+        args = [t.cuda() for t in _inputs()]
+        torch.testing.assert_close(compiled(*args), fn(*args))
+    assert counter("captured_") == 1
+    assert sum(_compat.dynamo_counters()["recompiles"].values()) == 0
