@@ -175,6 +175,33 @@ def test_limit_core_num_applies_inside_the_graph(
     assert counter("captured_") == (0 if force_eager else 2)
 
 
+def test_limit_core_num_around_the_call_is_seen_inside_the_graph(
+    counter: Callable[[str], int],
+) -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return _ms.threads(x) * 2
+
+    compiled = _compile(fn)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for limit in (2, 1, 2, 1, 2, 1):
+            x = torch.randn(3)
+            _threads.clear()
+            with ngr.limit_core_num(limit, 0, device="cpu"):
+                got = compiled(x).clone()
+                want = fn(x)
+            torch.testing.assert_close(got, want)
+            assert set(_threads) == {limit}, _threads  # compiled and eager ran under the limit
+    finally:
+        torch.set_num_threads(saved)
+    # torch 2.13's dynamo guards on torch.get_num_threads() (GLOBAL_STATE, not switchable off
+    # alone): each thread count is compiled once, then each graph replays its one capture
+    assert sum(_compat.dynamo_counters()["recompiles"].values()) <= 1
+    assert _compat.dynamo_counters()["stats"]["unique_graphs"] <= 2
+    assert counter("captured_") == _compat.dynamo_counters()["stats"]["unique_graphs"]
+
+
 def _check_limit(compiled: Any, fn: Callable[..., Any]) -> None:
     outer = torch.get_num_threads()
     for _ in range(5):

@@ -222,3 +222,68 @@ def test_npu_stream_limits_are_set_and_restored() -> None:
     done = subprocess.run([sys.executable, "-c", _NPU_SCRIPT], capture_output=True, text=True,
                           timeout=120, check=False)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+_seen_threads: list[int] = []
+_threads_lib = torch.library.Library("npugraph_ex_test_cl", "FRAGMENT")
+_threads_lib.define("threads(Tensor x) -> Tensor")
+
+
+def _read_threads(x: torch.Tensor) -> torch.Tensor:
+    _seen_threads.append(torch.get_num_threads())
+    return x + torch.get_num_threads()
+
+
+_threads_lib.impl("threads", _read_threads, "CompositeExplicitAutograd")
+torch.library.register_fake("npugraph_ex_test_cl::threads", lambda x: torch.empty_like(x),
+                            lib=_threads_lib)
+
+
+def _threads_times_two(x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.npugraph_ex_test_cl.threads(x) * 2
+
+
+@pytest.mark.skipif(CPU_MAX < 2, reason="needs 2 CPU cores to tell two limits apart")
+def test_one_cpu_capture_replays_under_each_limit_around_the_call() -> None:
+    torch.set_num_threads(2)
+    fn = ngr.make_graphed_callable(_threads_times_two, (torch.zeros(3),), name="cpu_limits")
+    for limit in (2, 1, 2, 1, 2):
+        x = torch.randn(3)
+        _seen_threads.clear()
+        with ngr.limit_core_num(limit, 0, device="cpu"):
+            got = fn(x).clone()
+            want = _threads_times_two(x)  # eager under the same limit
+        torch.testing.assert_close(got, want)
+        # the replay (and, on the first call, warm-up and capture) ran the op with the limit in
+        # force, as eager did
+        assert set(_seen_threads) == {limit} and len(_seen_threads) >= 2
+    assert [e.reason for e in fn.events] == ["new_key"]
+    assert core_limit.capture_core_limit() is None
+
+
+_NPU_KEY_SCRIPT = _NPU_SCRIPT.split("npu = torch.npu = FakeNpu()")[0] + """
+npu = torch.npu = FakeNpu()
+import npugraph_runtime as ngr
+from npugraph_runtime.core_limit import capture_core_limit
+fn = ngr.make_graphed_callable(lambda x: x * 2, (torch.zeros(3),), name="npu_limits")
+for limit in (None, 4, 4, 8, None):
+    x = torch.randn(3)
+    if limit is None:
+        got = fn(x).clone()
+    else:
+        with ngr.limit_core_num(limit, limit), ngr.limit_core_num(1, 0, device="cpu"):
+            assert capture_core_limit() == ("npu", limit, limit)  # the CPU limit is not keyed
+            got = fn(x).clone()
+    assert torch.equal(got, x * 2)
+reasons = [e.reason for e in fn.events]
+# a capture under another limit replaces the key's capture (manager.py): back to no limit is one more
+assert reasons == ["new_key"] + ["core_limit_change"] * 3, reasons
+print("ok")
+"""
+
+
+def test_an_npu_stream_limit_keys_its_own_capture() -> None:
+    # a fake torch.npu (no NPU here): the stream limit a device graph would capture under
+    done = subprocess.run([sys.executable, "-c", _NPU_KEY_SCRIPT], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

@@ -149,7 +149,9 @@ def test_new_parameter_object_recaptures(layer: torch.nn.Linear) -> None:
     assert [e.reason for e in fn.events] == ["new_key", "static_input_change"]
 
 
-def test_a_different_core_limit_recaptures(layer: torch.nn.Linear) -> None:
+def test_a_different_cpu_core_limit_reuses_the_capture(layer: torch.nn.Linear) -> None:
+    # a CPU capture records ops, not threads: the replay runs under the limit in force (the
+    # threads seen inside a replay: test_core_limit.py; NPU limits recapture: same file)
     fn = ngr.make_graphed_callable(linear_relu, (torch.randn(4, 16), layer.weight, layer.bias),
                                    static_argnums=(1, 2), name="cores")
     with torch.no_grad():
@@ -164,8 +166,8 @@ def test_a_different_core_limit_recaptures(layer: torch.nn.Linear) -> None:
             else:
                 torch.testing.assert_close(fn(x, layer.weight, layer.bias),
                                            linear_relu(x, layer.weight, layer.bias))
-    assert [e.reason for e in fn.events] == ["new_key"] + ["core_limit_change"] * 2
-    assert counters()["recapture_due_to_core_limit_change_cores"] == 2
+    assert [e.reason for e in fn.events] == ["new_key"]
+    assert counters().get("recapture_due_to_core_limit_change_cores", 0) == 0
 
 
 def test_frozen_checks_only_the_first_static_address(layer: torch.nn.Linear) -> None:

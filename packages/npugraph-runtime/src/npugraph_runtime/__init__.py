@@ -4,7 +4,12 @@ core limits and a capture manager. Usable by hand, without torch.compile."""
 # ops: importing it registers torch.ops.npugraph_ex.{scope_enter, scope_exit, record, wait}.
 from npugraph_runtime import ops
 from npugraph_runtime.__about__ import __version__
-from npugraph_runtime.core_limit import current_core_limit, limit_core_num, max_core_num
+from npugraph_runtime.core_limit import (
+    capture_core_limit,
+    current_core_limit,
+    limit_core_num,
+    max_core_num,
+)
 from npugraph_runtime.devices.base import DeviceGraph, PoolHandle
 from npugraph_runtime.devices.cpu import CpuGraph
 from npugraph_runtime.errors import (
@@ -39,6 +44,7 @@ __all__ = [
     "SlotKind",
     "Stream",
     "__version__",
+    "capture_core_limit",
     "current_core_limit",
     "current_scope",
     "current_stream",

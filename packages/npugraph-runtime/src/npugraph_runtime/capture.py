@@ -11,7 +11,7 @@ from typing import cast
 
 import torch
 
-from npugraph_runtime.core_limit import current_core_limit
+from npugraph_runtime.core_limit import capture_core_limit
 from npugraph_runtime.devices.base import DeviceGraph, PoolHandle
 from npugraph_runtime.errors import CaptureError, PolicyError
 from npugraph_runtime.graphs import Graph, graph
@@ -77,7 +77,7 @@ class Capture:
         self.watched_ptrs: list[int] = []
         # the caller's mutated tensors, weakly: the capture itself holds aliases of them
         self.callers: list[weakref.ref[torch.Tensor]] = []
-        self.core_limit = current_core_limit()
+        self.core_limit = capture_core_limit()
         self.outputs: object = None
         self.holds: Holds | None = None
         self.plan: OutputPlan | None = None

@@ -120,8 +120,20 @@ _limits = _Limits()
 
 def current_core_limit() -> tuple[str, int, int] | None:
     """(device type, op_aicore_num, op_vectorcore_num) of the innermost ``limit_core_num`` in force
-    on this thread outside compiled code, or None. The capture manager keys recaptures on it."""
+    on this thread outside compiled code, or None."""
     return _limits.stack[-1] if _limits.stack else None
+
+
+def capture_core_limit() -> tuple[str, int, int] | None:
+    """The innermost limit in force that a capture records, or None; the capture manager keys
+    captures on it. An NPU stream limit or a CUDA green context is part of what a device graph
+    captured under it launches, so another one needs another capture. A CPU limit is not: the
+    emulated graph records ops, not threads, and a replay runs them with the intra-op threads in
+    force when it runs, so one capture serves every CPU limit."""
+    for limit in reversed(_limits.stack):
+        if limit[0] != "cpu":
+            return limit
+    return None
 
 
 class limit_core_num:

@@ -21,7 +21,7 @@ import torch
 from npugraph_runtime import _compat
 from npugraph_runtime.callsite import warn_at_caller
 from npugraph_runtime.capture import Capture, Slots, record, warm_up
-from npugraph_runtime.core_limit import current_core_limit
+from npugraph_runtime.core_limit import capture_core_limit
 from npugraph_runtime.counters import (
     CAPTURE_LIMIT,
     FORCE_EAGER,
@@ -149,7 +149,7 @@ class GraphedCallable:
 
     def _replay_closure(self, cap: Capture) -> Callable[[Args], object]:
         replay = cap.graph.replay
-        core_limit, captured_limit = current_core_limit, cap.core_limit
+        core_limit, captured_limit = capture_core_limit, cap.core_limit
         # Inputs the graph uses in place: their addresses at capture, checked in one C++ call
         # where torch has one, else in one pass of data_ptr (~55 ns a tensor).
         slots = self._slots
@@ -242,7 +242,7 @@ class GraphedCallable:
                 if out is not _MISS:
                     self._runs[key] = c.replay
                     return out
-        choice = choose(self.name, self._slots, caps, args, current_core_limit(),
+        choice = choose(self.name, self._slots, caps, args, capture_core_limit(),
                         self._total < self._policy.capture_limit)
         if choice.replacing is None:
             return self._another(key, args, choice.reason)
