@@ -9,7 +9,7 @@
 # Runs `pytest -m cuda`, the demo on cuda, and the GPU benchmarks, and writes into $OUT (default
 # ./gpu-results) at most 8 files: run.log (environment and every step's output), cuda-tests.log,
 # demo.json, demo.png, decode/bench.json and decode/bench.png (section c, the ~1B-parameter
-# decode step per compiler), rest/bench.json and rest/bench.png (sections a, g, e, b, f).
+# decode step per compiler), rest/bench.json and rest/bench.png (sections a, g, e, b, f, s).
 # Finishes within 10 minutes: every step has its own time limit (580 s in all).
 set -u
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -63,6 +63,6 @@ PYEOF
 step "pytest -m cuda" 120 "$OUT/cuda-tests.log" "$PY" -m pytest -m cuda -q -p no:cacheprovider -o addopts="--import-mode=importlib -ra"
 step "demo (cuda)" 60 "$LOG" "$PY" -m npugraph_ex.cli demo --device cuda --out "$OUT" --no-progress
 step "bench (c) decode, cuda" 240 "$LOG" "$PY" -m npugraph_ex.cli bench --device cuda --only c --out "$OUT/decode" --no-progress --inductor-budget 60 --budget 170
-step "bench (a,g,e,b,f), cuda" 150 "$LOG" "$PY" -m npugraph_ex.cli bench --device cuda --only a,g,e,b,f --out "$OUT/rest" --no-progress --budget 110
+step "bench (a,g,e,b,f,s), cuda" 150 "$LOG" "$PY" -m npugraph_ex.cli bench --device cuda --only a,g,e,b,f,s --out "$OUT/rest" --no-progress --budget 110
 echo "gpu_check: $([ $status -eq 0 ] && echo ok || echo 'a step failed'); results in $OUT" | tee -a "$LOG"
 exit $status

@@ -71,3 +71,14 @@ def test_bench_c_refuses_an_unknown_decode_case(tmp_path: Path) -> None:
         cases_for(ctx, ("llama", "gpt2"))
     ctx.decode_cases = ("llama-medium-b8",)
     assert cases_for(ctx, ("llama", "gpt2")) == [("llama", "medium", 8)]
+
+
+def test_bench_quick_section_s_two_streams_equal_eager_with_captures(tmp_path: Path) -> None:
+    """Bench (s): both models compiled, every checked replay equal to eager, one capture each."""
+    section = _quick_bench(tmp_path, "s")["sections"]["s"]
+    assert section["error"] == ""
+    results = section["data"]["results"]
+    assert set(results) == {"one stream", "two streams"}
+    for facts in results.values():
+        assert facts["replays_equal_eager"] and facts["captures"] == 1 and facts["recompiles"] == 0
+    assert "two streams / one stream (median per call)" in [f["name"] for f in section["figures"]]
