@@ -146,3 +146,41 @@ def test_torch_cuda_streams_two_branches_equal_eager(counter: Callable[[str], in
         torch.testing.assert_close(compiled(*args), fn(*args))
     assert counter("captured_") == 1
     assert sum(_compat.dynamo_counters()["recompiles"].values()) == 0
+
+
+def test_a_loaded_multistream_graph_has_events_of_its_own() -> None:
+    import copy
+    import pickle
+
+    import torch._functorch.config as functorch_config
+    from npugraph_backend.serialization import SerializableCompiledGraph, observe_compiled
+
+    def fn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        done = torch.Event("cpu")
+        SIDE1.wait_stream(MAIN)
+        with SIDE1:
+            a = (x @ w1).relu()
+        done.record(SIDE1)
+        b = (x @ w2).sigmoid()  # the saved graph's own ops only (a test op cannot be pickled)
+        done.wait(MAIN)
+        return a + b
+
+    seen: list[Any] = []
+    compiled = _compile(fn)
+    with functorch_config.patch(bundled_autograd_cache=True), observe_compiled(seen.append):
+        compiled(*_inputs())
+    [graph] = seen
+    on_disk = copy.copy(SerializableCompiledGraph(graph))
+    on_disk.prepare_for_serialization()
+    loaded = pickle.loads(pickle.dumps(on_disk))
+    loaded.post_compile([], None, {})
+
+    def tags(gm: torch.fx.GraphModule) -> set[str]:
+        return {n.args[0] for n in gm.graph.nodes
+                if n.target is torch.ops.npugraph_ex.event_record.default}
+
+    assert tags(graph.gm) and not tags(graph.gm) & tags(loaded.compiled.gm)
+    assert all(t.startswith(f"{loaded.compiled.name}_") for t in tags(loaded.compiled.gm))
+    for _ in range(5):
+        args = _inputs()
+        torch.testing.assert_close(loaded.compiled(args), [reference(*args)])

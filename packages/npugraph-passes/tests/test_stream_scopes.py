@@ -68,3 +68,47 @@ def test_an_exit_without_enter_raises_naming_the_node() -> None:
 
     with pytest.raises(PassError, match="scope_exit node 'scope_exit_default' has no scope_enter"):
         lower_stream_scopes(_module(build), CPU, "g")
+
+
+def test_a_tensor_used_on_another_stream_lives_until_the_join() -> None:
+    # a graph frees a value once its last use is issued; on a device the side stream may still
+    # be reading it, so the lowering moves the last use to the join (record_stream's job)
+    def build(g: torch.fx.Graph, x: torch.fx.Node) -> None:
+        a = g.call_function(aten.cos.default, (x,))
+        g.call_function(ops.scope_enter.default, (["_user_stream_label"], ["side"]))
+        b = g.call_function(aten.sin.default, (a,))
+        g.call_function(ops.scope_exit.default, ())
+        c = g.call_function(aten.exp.default, (x,))
+        g.output((b, c))
+        for node in (a, b, c):
+            node.meta["val"] = torch.empty(3)
+
+    gm = _module(build)
+    assert lower_stream_scopes(gm, CPU, "g")
+    nodes = list(gm.graph.nodes)
+    cos, sin, exp = (next(n for n in nodes if n.target is t)
+                     for t in (aten.cos.default, aten.sin.default, aten.exp.default))
+    join = nodes[-1].prev
+    assert join.target is ops.wait.default
+    assert cos in join.args[0]  # made on the default stream, used on the side stream
+    # sin goes to the output (the caller holds it); exp stays on the default stream
+    assert sin not in join.args[0] and exp not in join.args[0]
+    join_line = next(line for line in gm.code.splitlines()
+                     if line.strip().startswith(f"{join.name} = "))
+    assert f"{cos.name} = " in join_line.split(";", 1)[1]  # freed right after the join
+    x = torch.randn(3)
+    got = gm(x)
+    torch.testing.assert_close(got[0], x.cos().sin())
+    torch.testing.assert_close(got[1], x.exp())
+
+
+def test_a_loaded_graph_gets_its_own_events() -> None:
+    from npugraph_passes.stream_scopes import retag_graph_events
+
+    gm = _module(_side_branch)
+    lower_stream_scopes(gm, CPU, "graph_1")
+    assert retag_graph_events(gm, "graph_1", "graph_7")
+    tags = [n.args[0] for n in gm.graph.nodes
+            if n.target in (ops.event_record.default, ops.event_wait.default)]
+    assert tags and all(t.startswith("graph_7_") for t in tags)
+    assert not retag_graph_events(gm, "graph_1", "graph_8")  # nothing left of graph_1

@@ -22,10 +22,13 @@ import contextvars
 import hashlib
 import importlib.metadata
 import pickle
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from npugraph_passes.stream_scopes import retag_graph_events
+from npugraph_runtime.ops import forget_graph_events
 
 from npugraph_backend import _compat
 from npugraph_backend.compiler import CompiledGraph, next_graph_name
@@ -168,7 +171,11 @@ class SerializableCompiledGraph(_compat.OutputCode):
         state["gm"] = _compat.graph_unpickle(state["gm"], example_inputs)
         # names (and the counters keyed by them) are per process: the saving process's
         # "graph_1" may already exist here
-        state["name"] = next_graph_name()
+        name = next_graph_name()
+        # its events (named after the graph) are this graph's own, dropped with it
+        if retag_graph_events(state["gm"], state["name"], name):
+            weakref.finalize(state["gm"], forget_graph_events, f"{name}_")
+        state["name"] = name
         compiled = CompiledGraph.__new__(CompiledGraph)
         compiled.__setstate__(state)
         self.compiled = compiled

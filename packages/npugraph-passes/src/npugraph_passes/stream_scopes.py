@@ -15,7 +15,15 @@ Users leave ``npugraph_ex.scope_enter/scope_exit`` (stream and core-limit scopes
   ``<graph>_<record node>``), next to the markers, which stay for the stream-safety analysis; a
   ``wait([tensor])`` on a computed tensor gets an event recorded right after its producer.
 
-Each node's stream label (None: the default stream) is left in ``node.meta["stream_label"]``."""
+* keeps every tensor used on another stream than the one that made it alive until the join (it
+  is an argument of the join's ``wait``): a graph frees a value after its last use *is issued*,
+  and a device allocator would hand the memory of a tensor made on one stream to the next
+  allocation there while another stream may still read it -- what ``Tensor.record_stream`` is
+  for in eager code. After the join every stream's work is ordered before the default stream's.
+
+Each node's stream label (None: the default stream) is left in ``node.meta["stream_label"]``.
+:func:`retag_graph_events` renames a graph's events when a saved graph is loaded under a new
+name, so that its events are its own and not those of another graph of the process."""
 
 from __future__ import annotations
 
@@ -129,7 +137,7 @@ def lower_stream_scopes(gm: torch.fx.GraphModule, device: torch.device, graph_na
             with graph.inserting_before(exit_):
                 tokens.append(graph.call_function(ops.record.default, ()))
         with graph.inserting_before(_join_point(graph)):
-            graph.call_function(ops.wait.default, (tokens,))
+            join = graph.call_function(ops.wait.default, (tokens,))
     for node in list(graph.nodes):
         if is_record(node):
             with graph.inserting_after(node):
@@ -149,5 +157,43 @@ def lower_stream_scopes(gm: torch.fx.GraphModule, device: torch.device, graph_na
     streams = StreamMap(graph)
     for node, stream_label in streams.label.items():
         node.meta["stream_label"] = stream_label
+    if first_enter:
+        crossing = _used_on_other_streams(graph, streams.label)
+        if crossing:
+            join.args = ([*tokens, *crossing],)
     gm.recompile()
     return True
+
+
+def _used_on_other_streams(
+    graph: torch.fx.Graph, label: dict[torch.fx.Node, str | None]
+) -> list[torch.fx.Node]:
+    """Computed tensors that a node on another stream than their producer's uses."""
+    crossing = []
+    for node in graph.nodes:
+        if node.op != "call_function" or not isinstance(node.meta.get("val"), torch.Tensor):
+            continue
+        if is_record(node):
+            continue  # tokens: no memory anyone reads
+        here = label.get(node)
+        if any(label.get(user, here) != here for user in node.users if user.op != "output"):
+            crossing.append(node)
+    return crossing
+
+
+def retag_graph_events(gm: torch.fx.GraphModule, old_name: str, new_name: str) -> bool:
+    """Rename the events of a graph lowered as ``old_name`` to ``new_name``'s (a saved graph
+    loaded in another process, where ``old_name`` may be another graph's). Returns whether any
+    event was renamed."""
+    ops = _ops()
+    targets = (ops.event_record.default, ops.event_wait.default)
+    old_prefix, changed = f"{old_name}_", False
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in targets:
+            tag = node.args[0]
+            if isinstance(tag, str) and tag.startswith(old_prefix):
+                node.args = (f"{new_name}_{tag[len(old_prefix):]}", *node.args[1:])
+                changed = True
+    if changed:
+        gm.recompile()
+    return changed
