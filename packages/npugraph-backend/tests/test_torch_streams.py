@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import npugraph_runtime as ngr
@@ -55,6 +56,12 @@ def reference(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tens
     return (x @ w1).relu() + (x @ w2).sigmoid()
 
 
+def _compiles() -> int:
+    """Graphs dynamo compiled: a recompile is one more (torch 2.13 leaves counters["recompiles"]
+    empty, so a test reading it would pass whatever happened)."""
+    return int(_compat.dynamo_counters()["stats"]["unique_graphs"])
+
+
 def _compile(fn: Callable[..., Any], **options: object) -> Any:
     return torch.compile(fn, backend="npugraph_ex", fullgraph=True, options=dict(options))
 
@@ -81,7 +88,7 @@ def test_torch_streams_two_branches_equal_eager_with_one_capture(
             torch.testing.assert_close(compiled(*args), reference(*args))
     assert counter("captured_") == 1
     assert _compat.dynamo_counters()["stats"]["unique_graphs"] == 1
-    assert sum(_compat.dynamo_counters()["recompiles"].values()) == 0
+    assert _compiles() == 1  # no recompile
     # the last replay ran each branch on its own logical stream and the join on the default one
     first, second, joined = _seen
     assert first != 0 and second != 0 and first != second and joined == 0
@@ -145,10 +152,12 @@ def test_torch_cuda_streams_two_branches_equal_eager(counter: Callable[[str], in
         args = [t.cuda() for t in _inputs()]
         torch.testing.assert_close(compiled(*args), fn(*args))
     assert counter("captured_") == 1
-    assert sum(_compat.dynamo_counters()["recompiles"].values()) == 0
+    assert _compiles() == 1  # no recompile
 
 
-def test_a_loaded_multistream_graph_has_events_of_its_own() -> None:
+def test_a_loaded_multistream_graph_has_events_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import copy
     import pickle
 
@@ -165,6 +174,8 @@ def test_a_loaded_multistream_graph_has_events_of_its_own() -> None:
         done.wait(MAIN)
         return a + b
 
+    # an empty AOTAutograd cache: the compile is a miss, never an earlier run's hit
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torch_cache"))
     seen: list[Any] = []
     compiled = _compile(fn)
     with functorch_config.patch(bundled_autograd_cache=True), observe_compiled(seen.append):
