@@ -33,6 +33,7 @@ from npugraph_runtime.devices.cpu_streams import (
     CpuStream,
     HazardTracker,
     current_cpu_stream,
+    is_event_marker,
     replays_marker,
 )
 from npugraph_runtime.errors import CaptureError, CrossStreamWarning, DeviceError, NpugraphError
@@ -613,6 +614,7 @@ _KIND_RULES: tuple[tuple[Callable[[_Op], bool], Callable[[Recorder, _Op, Step], 
     (lambda op: bool(op.written), _writes),
     (lambda op: is_wait(op.func), _collective_wait),
     (lambda op: op.func.namespace == "_c10d_functional" and bool(op.fresh), _collective),
+    (lambda op: is_event_marker(op.func), _skip),  # ordered by program order at replay
     (lambda op: replays_marker(op.func), _as_is),
     (lambda op: not op.fresh and op.func.namespace not in _TRUSTED_SCHEMAS, _as_is),
     (lambda op: not op.fresh or is_allocation(op.func), _skip),

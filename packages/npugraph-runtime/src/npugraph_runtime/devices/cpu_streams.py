@@ -102,16 +102,27 @@ class CpuEvent:
 
 
 # npugraph_ex ops a replay re-issues: lowered scopes switch the logical stream and apply core
-# limits when they run, graph events order the streams (see npugraph_runtime.ops).
-_REPLAYED_MARKERS = frozenset({"scope_enter", "scope_exit", "event_record", "event_wait"})
+# limits when they run (see npugraph_runtime.ops).
+_REPLAYED_MARKERS = frozenset({"scope_enter", "scope_exit"})
+# Graph events order the streams of a capture (the hazard check); a replay runs every op in
+# program order, where they order nothing, so it skips them (each costs a dispatch).
+_EVENT_MARKERS = frozenset({"event_record", "event_wait"})
+
+
+def _marker_name(func: Any) -> str | None:
+    if getattr(func, "namespace", None) != "npugraph_ex":
+        return None
+    return str(func._schema.name).split("::")[-1]
 
 
 def replays_marker(func: Any) -> bool:
-    """Whether ``func`` is an ``npugraph_ex`` scope or event op, which a replay runs again."""
-    if getattr(func, "namespace", None) != "npugraph_ex":
-        return False
-    name = str(func._schema.name).split("::")[-1]
-    return name in _REPLAYED_MARKERS
+    """Whether ``func`` is an ``npugraph_ex`` scope op, which a replay runs again."""
+    return _marker_name(func) in _REPLAYED_MARKERS
+
+
+def is_event_marker(func: Any) -> bool:
+    """Whether ``func`` is an ``npugraph_ex`` graph-event op, which a replay leaves out."""
+    return _marker_name(func) in _EVENT_MARKERS
 
 
 class HazardTracker:
