@@ -287,3 +287,59 @@ def test_an_npu_stream_limit_keys_its_own_capture() -> None:
     done = subprocess.run([sys.executable, "-c", _NPU_KEY_SCRIPT], capture_output=True,
                           text=True, timeout=120, check=False)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+_NPU_SIDE_STREAM_SCRIPT = """
+import torch
+torch.utils.rename_privateuse1_backend("npu")
+
+class FakeStream:
+    def __init__(self, name):
+        self.name, self.device = name, torch.device("npu", 0)
+    def __repr__(self): return self.name
+
+class FakeNpu:
+    def __init__(self):
+        self.current = FakeStream("main")
+        self.limits = {}
+        self.calls = []
+    def is_available(self): return True
+    def current_device(self): return 0
+    def device_count(self): return 1
+    def current_stream(self, device=None): return self.current
+    def set_stream(self, stream): self.current = stream
+    def get_stream_limit(self, stream):
+        return dict(self.limits.get(stream.name, {"cube_core_num": 24, "vector_core_num": 48}))
+    def set_stream_limit(self, stream, cube, vector):
+        self.calls.append((stream.name, cube, vector))
+        self.limits[stream.name] = {"cube_core_num": cube, "vector_core_num": vector}
+    def get_device_limit(self, index): return {"cube_core_num": 24, "vector_core_num": 48}
+
+npu = torch.npu = FakeNpu()
+import npugraph_runtime as ngr
+from npugraph_runtime import devices, ops
+from npugraph_runtime.devices.accelerator import AcceleratorBackend
+devices._BACKENDS["npu"] = AcceleratorBackend("npu", module=npu)
+side = FakeStream("side")
+ops.register_user_stream("side", side)
+enter, leave = torch.ops.npugraph_ex.scope_enter, torch.ops.npugraph_ex.scope_exit
+# what a lowered `with limit_core_num(8, 16), stream(side):` runs
+enter(["_op_aicore_num", "_op_vectorcore_num", "_device"], ["8", "16", "npu:0"])
+enter(["_user_stream_label", "_device"], ["side", "npu:0"])
+assert npu.current is side
+assert npu.limits["side"] == {"cube_core_num": 8, "vector_core_num": 16}, npu.limits
+leave()
+assert npu.current.name == "main"
+assert npu.limits["side"] == {"cube_core_num": 24, "vector_core_num": 48}, npu.limits
+leave()
+assert npu.calls == [("main", 8, 16), ("side", 8, 16), ("side", 24, 48), ("main", 24, 48)], npu.calls
+print("ok")
+"""
+
+
+def test_an_npu_limit_is_inherited_by_a_side_stream_entered_inside_it() -> None:
+    # a fake torch.npu (no NPU here): an NPU limit is per stream, so a side stream entered under
+    # a limit gets it too, and its own limit back after
+    done = subprocess.run([sys.executable, "-c", _NPU_SIDE_STREAM_SCRIPT], capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr

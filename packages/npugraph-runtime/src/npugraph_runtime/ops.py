@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from npugraph_runtime._compat import mark_side_effectful
-from npugraph_runtime.core_limit import limit_core_num
+from npugraph_runtime.core_limit import current_core_limit, limit_core_num
 from npugraph_runtime.devices import backend_for
 from npugraph_runtime.errors import NpugraphError
 
@@ -104,6 +104,13 @@ def _apply(scope: dict[str, str]) -> list[Any]:
         previous = backend.current_stream(raw.device)
         backend.set_stream(raw)
         undo.append(lambda: backend.set_stream(previous))
+        inherited = current_core_limit()
+        if AICORE_KEY not in scope and inherited is not None and inherited[0] == "npu":
+            # an NPU limit belongs to a stream: the side stream runs under the enclosing one too
+            # (CPU threads and CUDA green contexts are not per stream: already in force)
+            inner = limit_core_num(inherited[1], inherited[2], device=raw.device)
+            inner.__enter__()
+            undo.append(lambda: inner.__exit__(None, None, None))
     if AICORE_KEY in scope:
         limit = limit_core_num(
             int(scope[AICORE_KEY]), int(scope.get(VECTORCORE_KEY, "0")), device=device
