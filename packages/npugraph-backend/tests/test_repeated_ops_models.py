@@ -1,6 +1,7 @@
 """transformers decoders whose layers each rebuild the same attention mask: compiled with
-backend="npugraph_ex", the graph builds it once (remove_repeated_ops, run by remove_noop_ops) and
-every replay matches eager over fresh tokens."""
+backend="npugraph_ex", the graph builds it once (remove_repeated_ops, run by remove_noop_ops),
+squares by ``mul`` and picks the greedy token by ``max`` (equivalents, run by
+pattern_fusion_pass), and every replay matches eager over fresh tokens."""
 
 from __future__ import annotations
 
@@ -30,9 +31,11 @@ def _qwen2() -> Any:
     )).eval()
 
 
-def _where_nodes(counts: list[int]) -> Callable[..., None]:
+def _count_nodes(counts: list[dict[Any, int]]) -> Callable[..., None]:
     def post(gm: torch.fx.GraphModule, example_inputs: Any, config: Any) -> None:
-        counts.append(sum(n.target is torch.ops.aten.where.self for n in gm.graph.nodes))
+        aten = torch.ops.aten
+        targets = (aten.where.self, aten.pow.Tensor_Scalar, aten.argmax.default, aten.max.dim)
+        counts.append({t: sum(n.target is t for n in gm.graph.nodes) for t in targets})
 
     return post
 
@@ -48,22 +51,28 @@ def test_mask_is_built_once_and_replays_match_eager(make: Callable[[], Any]) -> 
         model(input_ids=prompt, past_key_values=cache, use_cache=True,
               cache_position=torch.arange(PROMPT_LEN))
 
-    def step(token: torch.Tensor, position: torch.Tensor, cache: Any) -> torch.Tensor:
-        return model(input_ids=token, past_key_values=cache, use_cache=True,
-                     cache_position=position).logits.clone()
+    def step(token: torch.Tensor, position: torch.Tensor, cache: Any) -> tuple[torch.Tensor, ...]:
+        logits = model(input_ids=token, past_key_values=cache, use_cache=True,
+                       cache_position=position).logits
+        return logits.clone(), logits[:, -1].argmax(-1, keepdim=True)
 
-    wheres: list[int] = []
+    counts: list[dict[Any, int]] = []
     compiled = torch.compile(step, backend="npugraph_ex", fullgraph=True, dynamic=False,
-                             options={"post_grad_custom_post_pass": _where_nodes(wheres)})
+                             options={"post_grad_custom_post_pass": _count_nodes(counts)})
     for i in range(STEPS):
         token = torch.randint(0, 128, (1, 1))  # fresh input every call
         position = torch.tensor([PROMPT_LEN + i])
         expected = step(token, position, caches[0])
         got = compiled(token, position, caches[1])
-        torch.testing.assert_close(got, expected)
+        torch.testing.assert_close(got[0], expected[0])
+        assert torch.equal(got[1], expected[1])
         for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
             torch.testing.assert_close(b.keys, a.keys)
             torch.testing.assert_close(b.values, a.values)
-    assert wheres == [1]  # one mask for all LAYERS layers
+    aten = torch.ops.aten
+    assert len(counts) == 1
+    assert counts[0][aten.where.self] == 1  # one mask for all LAYERS layers
+    assert counts[0][aten.pow.Tensor_Scalar] == 0 and counts[0][aten.argmax.default] == 0
+    assert counts[0][aten.max.dim] == 1
     captured = [k for k, v in _compat.counters().items() if k.startswith("captured_") and v]
     assert captured
