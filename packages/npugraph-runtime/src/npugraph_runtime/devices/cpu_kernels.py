@@ -5,8 +5,9 @@ For a functional op the candidates are: the public Python binding with ``out=``
 (with the public binding or the op itself) then ``copy_`` into the recorded output. A candidate
 is kept only when, on the capture's own inputs, it gives a bitwise-identical result (NaN-aware;
 same dtype, shape and strides) without raising or warning; each kept one is timed, and the replay
-uses the cheapest given which outputs later ops actually read. The op itself followed by a copy
-is always available. Ops whose result is a copy of one input (``clone``, ``_to_copy``, ``copy``)
+uses the cheapest given which outputs later ops actually read (the public binding with ``out=``
+over the ``.out`` overload's handle where both verify: one kernel, a shorter call). The op
+itself followed by a copy is always available. Ops whose result is a copy of one input (``clone``, ``_to_copy``, ``copy``)
 have one more candidate, ``out.copy_(input)``: one pass over the data, where ``clone.out`` clones
 and then copies. In-place ops are re-issued as a bound ``Tensor`` method when that verifies, else
 as the op itself.
