@@ -4,7 +4,8 @@ a re-capture still verifies, on its own data, the kernel it will use."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import npugraph_runtime as ngr
@@ -111,9 +112,7 @@ def test_exported_decisions_seed_another_process_without_re_timing() -> None:
     exported = {k: v for k, v in cpu_kernels.kernel_decisions().items()
                 if k.startswith("aten::tanh|") and "(3, 5)" in k}
     assert exported
-    saved = dict(cpu_kernels._DECIDED)
-    cpu_kernels._DECIDED.clear()  # as in a fresh process
-    try:
+    with _fresh_decisions():  # as in a fresh process
         marked = {k: {"candidates": [[lab, 12345] for lab, _ in v["candidates"]],
                       "copy_costs": v["copy_costs"]} for k, v in exported.items()}
         assert cpu_kernels.seed_kernel_decisions(marked) == len(marked)
@@ -123,9 +122,67 @@ def test_exported_decisions_seed_another_process_without_re_timing() -> None:
         x.copy_(torch.randn_like(x))
         g.replay()  # type: ignore[attr-defined]
         assert torch.equal(out, fn(x))  # type: ignore[arg-type]
+
+
+@contextlib.contextmanager
+def _fresh_decisions() -> Iterator[None]:
+    saved = dict(cpu_kernels._DECIDED)
+    cpu_kernels._DECIDED.clear()
+    try:
+        yield
     finally:
         cpu_kernels._DECIDED.clear()
         cpu_kernels._DECIDED.update(saved)
+
+
+def test_the_public_binding_is_kept_where_the_overload_timed_cheaper() -> None:
+    """Both run the same out= kernel; the binding's call path is shorter when caches are cold
+    (between the GEMMs of a decode step), which a warm timing at capture cannot see."""
+    x = torch.randn(7, 3)
+    fn = lambda t: torch.mul(t, t) + 1.0  # noqa: E731
+    _capture(fn, x)
+    exported = {k: v for k, v in cpu_kernels.kernel_decisions().items()
+                if k.startswith("aten::mul.Tensor|") and "(7, 3)" in k}
+    labels = {lab for v in exported.values() for lab, _ in v["candidates"]}
+    assert {"out_public", "out_overload"} <= labels
+    with _fresh_decisions():
+        # the overload timed cheaper than the binding at the first capture
+        costs = {"op": 9000, "binding": 9000, "out_public": 900, "out_overload": 500}
+        cpu_kernels.seed_kernel_decisions({
+            k: {"candidates": [[lab, costs[lab]] for lab, _ in v["candidates"]],
+                "copy_costs": v["copy_costs"]} for k, v in exported.items()})
+        g, out = _capture(fn, x)
+        assert _kernels(g)["aten::mul.Tensor"] == "out_public"
+        for _ in range(5):
+            x.copy_(torch.randn_like(x))
+            g.replay()  # type: ignore[attr-defined]
+            assert torch.equal(out, fn(x))  # type: ignore[arg-type]
+
+
+def _namespace_and_name(op: str) -> tuple[str, str]:
+    namespace, name = op.split("::")
+    return namespace, name.split(".")[0]
+
+
+def test_a_llama_replays_out_kernels_through_their_public_bindings() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=96, hidden_size=48, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+    )).eval()
+    ids = torch.randint(0, 96, (2, 5))
+    g, out = _capture(lambda t: model(input_ids=t).logits, ids)
+    overloads = [r.op for r in audit_kernels(g, rounds=1, min_sample_s=0)  # type: ignore[arg-type]
+                 if r.kernel == "out_overload"]
+    # the .out handle only where the op has no public binding
+    assert all(cpu_kernels.public_binding(*_namespace_and_name(op)) is None for op in overloads), overloads
+    for _ in range(5):
+        ids.copy_(torch.randint(0, 96, (2, 5)))
+        g.replay()  # type: ignore[attr-defined]
+        with torch.no_grad():
+            expected = model(input_ids=ids).logits
+        assert torch.equal(out, expected)  # type: ignore[arg-type]
 
 
 def test_a_malformed_seed_names_the_record() -> None:

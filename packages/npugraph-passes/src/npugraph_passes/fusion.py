@@ -23,6 +23,7 @@ import torch.fx
 from npugraph_passes import _compat
 from npugraph_passes.cleanup import dead_code_elimination
 from npugraph_passes.collectives import is_ordering_point
+from npugraph_passes.equivalents import use_cheaper_equivalents
 from npugraph_passes.identity import combine, source_digest
 from npugraph_passes.stream_safety import StreamMap
 
@@ -222,7 +223,8 @@ def _fill_missing_vals(graph: torch.fx.Graph) -> None:
 
 
 def pattern_fusion_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config: Any) -> None:
-    """Applies every registered rule (built-in and ``register_replacement``) to ``gm``."""
+    """Applies every registered rule (built-in and ``register_replacement``) to ``gm``, then the
+    single-op cheaper forms of ``equivalents``."""
     ensure_builtin_patterns()
     _state.streams = StreamMap(gm.graph)
     _state.collectives = any(is_ordering_point(n) for n in gm.graph.nodes)
@@ -231,6 +233,7 @@ def pattern_fusion_pass(gm: torch.fx.GraphModule, example_inputs: Sequence[Any],
     finally:
         _state.streams = None
         _state.collectives = False
+    use_cheaper_equivalents(gm, example_inputs, config)
     if count:
         _fill_missing_vals(gm.graph)
         dead_code_elimination(gm, example_inputs, config)

@@ -4,13 +4,16 @@ The rules are inductor's (full slices, whole ``slice_scatter``, repeat by ones, 
 same-dtype conversions, same-device puts, rounding of integers, ``pow(x, 1)``, single-input
 ``cat``, same-shape views, ``clone``, ``alias``, functional ``copy``) plus ours (same-shape
 ``expand``, identity ``permute``, ``transpose(d, d)``, same-dtype/device ``_to_copy``,
-``mul``/``div`` by one, zero ``roll``). A node is only dropped when its value has the same
+``mul``/``div`` by one, zero ``roll``, integer ``add``/``sub`` of zero). A node is only dropped when its value has the same
 size, stride, dtype, device and layout as its source.
 
 It never introduces aliasing between graph inputs and graph outputs (an output that would
 become a placeholder or another output stays a copy), and it never removes a copy whose
 source or result is written in place while the copy is still live (a user pass may have put
 in-place ops in the graph).
+
+Then it drops repeated ops (``repeated.remove_repeated_ops``): an op that computes exactly what
+an earlier node computed reads that node instead.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch.fx
 
 from npugraph_passes import _compat
 from npugraph_passes.aliasing import GraphFacts
+from npugraph_passes.repeated import remove_repeated_ops
 
 aten = torch.ops.aten
 
@@ -76,6 +80,15 @@ def _scalar_one(x: torch.Tensor, other: object) -> bool:
     return isinstance(other, (int, float)) and not isinstance(other, bool) and other == 1
 
 
+def _int_plus_zero(x: torch.Tensor, other: object, alpha: object = 1) -> bool:
+    # exact for integers only: a float -0.0 + 0 is +0.0
+    return (
+        type(other) is int
+        and other == 0
+        and not (x.is_floating_point() or x.is_complex() or x.dtype == torch.bool)
+    )
+
+
 def _roll_noop(x: torch.Tensor, shifts: Sequence[int], dims: Sequence[int] = ()) -> bool:
     return all(s == 0 for s in shifts)
 
@@ -90,6 +103,10 @@ _OWN_RULES: dict[Any, NoopRule] = {
     aten.mul.Tensor: (_scalar_one, 0),
     aten.div.Tensor: (_scalar_one, 0),
     aten.roll.default: (_roll_noop, 0),
+    aten.add.Tensor: (_int_plus_zero, 0),
+    aten.add.Scalar: (_int_plus_zero, 0),
+    aten.sub.Tensor: (_int_plus_zero, 0),
+    aten.sub.Scalar: (_int_plus_zero, 0),
 }
 
 _NON_VIEW_COPIES = {aten.clone.default, aten._to_copy.default, aten.copy.default}
@@ -157,3 +174,4 @@ def remove_noop_ops(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], con
             facts.replaced(node, src)
             node.replace_all_uses_with(src)
             graph.erase_node(node)
+    remove_repeated_ops(gm, example_inputs, config)

@@ -1,0 +1,78 @@
+"""transformers decoders whose layers each rebuild the same attention mask: compiled with
+backend="npugraph_ex", the graph builds it once (remove_repeated_ops, run by remove_noop_ops),
+squares by ``mul`` and picks the greedy token by ``max`` (equivalents, run by
+pattern_fusion_pass), and every replay matches eager over fresh tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from npugraph_backend import _compat
+
+transformers = pytest.importorskip("transformers")
+
+LAYERS, MAX_LEN, PROMPT_LEN, STEPS = 3, 16, 4, 5
+
+
+def _llama() -> Any:
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )).eval()
+
+
+def _qwen2() -> Any:
+    return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+    )).eval()
+
+
+def _count_nodes(counts: list[dict[Any, int]]) -> Callable[..., None]:
+    def post(gm: torch.fx.GraphModule, example_inputs: Any, config: Any) -> None:
+        aten = torch.ops.aten
+        targets = (aten.where.self, aten.pow.Tensor_Scalar, aten.argmax.default, aten.max.dim)
+        counts.append({t: sum(n.target is t for n in gm.graph.nodes) for t in targets})
+
+    return post
+
+
+@pytest.mark.parametrize("make", [_llama, _qwen2], ids=["llama", "qwen2"])
+@torch.no_grad()
+def test_mask_is_built_once_and_replays_match_eager(make: Callable[[], Any]) -> None:
+    torch.manual_seed(0)
+    model = make()
+    caches = [transformers.StaticCache(config=model.config, max_cache_len=MAX_LEN) for _ in range(2)]
+    prompt = torch.randint(0, 128, (1, PROMPT_LEN))
+    for cache in caches:
+        model(input_ids=prompt, past_key_values=cache, use_cache=True,
+              cache_position=torch.arange(PROMPT_LEN))
+
+    def step(token: torch.Tensor, position: torch.Tensor, cache: Any) -> tuple[torch.Tensor, ...]:
+        logits = model(input_ids=token, past_key_values=cache, use_cache=True,
+                       cache_position=position).logits
+        return logits.clone(), logits[:, -1].argmax(-1, keepdim=True)
+
+    counts: list[dict[Any, int]] = []
+    compiled = torch.compile(step, backend="npugraph_ex", fullgraph=True, dynamic=False,
+                             options={"post_grad_custom_post_pass": _count_nodes(counts)})
+    for i in range(STEPS):
+        token = torch.randint(0, 128, (1, 1))  # fresh input every call
+        position = torch.tensor([PROMPT_LEN + i])
+        expected = step(token, position, caches[0])
+        got = compiled(token, position, caches[1])
+        torch.testing.assert_close(got[0], expected[0])
+        assert torch.equal(got[1], expected[1])
+        for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
+            torch.testing.assert_close(b.keys, a.keys)
+            torch.testing.assert_close(b.values, a.values)
+    aten = torch.ops.aten
+    assert len(counts) == 1
+    assert counts[0][aten.where.self] == 1  # one mask for all LAYERS layers
+    assert counts[0][aten.pow.Tensor_Scalar] == 0 and counts[0][aten.argmax.default] == 0
+    assert counts[0][aten.max.dim] == 1
+    captured = [k for k, v in _compat.counters().items() if k.startswith("captured_") and v]
+    assert captured
