@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 
-from npugraph_backend import _compat
+from npugraph_backend import _compat, process_groups
 from npugraph_backend.compiler import CompiledGraph, next_graph_name
 from npugraph_backend.config import CompilerConfig
+from npugraph_backend.saved_forward import LoadedGraph, saved_forward
 
 _PASS_OPTIONS = ("post_grad_custom_pre_pass", "post_grad_custom_post_pass")
 _DISTRIBUTIONS = (
@@ -144,8 +145,13 @@ class SerializableCompiledGraph(_compat.OutputCode):
             return
         state = dict(self.compiled.__getstate__())
         state["config"] = _portable_config(state["config"])
+        gm = state["gm"]
+        if isinstance(gm, LoadedGraph):  # saved again after a load
+            gm = gm.module()
         try:
-            state["gm"] = _compat.graph_pickle(state["gm"], ops_filter, meta_filter)
+            state["gm"] = _compat.graph_pickle(gm, ops_filter, meta_filter)
+            # a load compiles the forward's code instead of rebuilding the graph (saved_forward)
+            state["forward"] = saved_forward(gm, process_groups.group_names(gm))
             data = pickle.dumps(state)
         except Exception as exc:
             if isinstance(exc, type(_compat.bypass_cache(""))):
@@ -165,10 +171,14 @@ class SerializableCompiledGraph(_compat.OutputCode):
         if self.state is None:
             raise RuntimeError("npugraph_ex: a saved compiled graph has no state to load")
         state = pickle.loads(self.state)
-        state["gm"] = _compat.graph_unpickle(state["gm"], example_inputs)
         # names (and the counters keyed by them) are per process: the saving process's
         # "graph_1" may already exist here
         state["name"] = next_graph_name()
+        forward = state.pop("forward", None)
+        if forward is not None and not state["config"].get("dump_tensor_data"):
+            state["gm"] = LoadedGraph(forward, state["gm"], state["name"])
+        else:  # the data dumper walks the FX graph
+            state["gm"] = _compat.graph_unpickle(state["gm"], example_inputs)
         compiled = CompiledGraph.__new__(CompiledGraph)
         compiled.__setstate__(state)
         self.compiled = compiled
