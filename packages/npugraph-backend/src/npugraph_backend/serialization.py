@@ -7,7 +7,8 @@ it is an ``OutputCode``. ``SerializableCompiledGraph`` is that OutputCode around
 ``CompiledGraph``: it pickles the optimized GraphModule with torch's ``GraphPickler`` (only ops
 loadable wherever our packages are installed) plus the graph's plain state (input/output specs,
 options, name, device), and rebuilds the CompiledGraph — hence the runtime's capture manager
-with no device graph yet — on load. Captures happen again on the first call; nothing
+with no device graph yet — on load. When the forward needs only its code and globals, those are
+saved too and a load compiles them instead of rebuilding the FX graph (saved_forward.py). Captures happen again on the first call; nothing
 device-specific is stored.
 
 The AOTAutograd cache key does not know our options, so the compile runs with
