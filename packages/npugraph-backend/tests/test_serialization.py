@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from npugraph_backend import CompiledGraph, CompilerConfig, _compat
-from npugraph_backend.saved_forward import LoadedGraph
+from npugraph_backend.saved_forward import LoadedGraph, saved_forward
 from npugraph_backend.serialization import (
     SerializableCompiledGraph,
     cache_tag,
@@ -99,6 +99,27 @@ def test_a_loaded_graph_runs_its_saved_code_without_rebuilding_the_fx_graph() ->
     assert sum(v for k, v in counters["npugraph_ex"].items() if k.startswith("captured")) == 1
     assert loaded.gm._module is None  # the FX graph was never unpickled
     assert loaded.gm.code == graph.gm.code  # and is there when asked for
+
+
+@pytest.mark.parametrize("bytecode", ["this interpreter's", "another interpreter's"])
+def test_the_saved_forward_computes_what_the_fx_graph_does(bytecode: str) -> None:
+    """The saved code object is used by an interpreter with the same magic number; any other
+    compiles the saved source. Either way the forward is the FX graph's, bitwise."""
+    model = Block().eval()
+    graph = _compile_serializable(model, torch.randn(4, 16), torch.zeros(4, 16))
+    saved = saved_forward(graph.gm, ())
+    assert saved is not None
+    if bytecode == "another interpreter's":
+        saved = {**saved, "magic": b"\x00\x00\r\n", "bytecode": b"not marshal data"}
+    loaded = LoadedGraph(pickle.loads(pickle.dumps(saved)), b"")
+    with torch.no_grad():
+        for _ in range(5):
+            x, cache = torch.randn(4, 16), torch.randn(4, 16)
+            cache_fx = cache.clone()
+            want = graph.gm.forward(*_graph_args(model, x, cache_fx))
+            got = loaded.forward(*_graph_args(model, x, cache))
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            torch.testing.assert_close(cache, cache_fx, rtol=0, atol=0)
 
 
 def _graph_args(model: Block, x: torch.Tensor, cache: torch.Tensor) -> list[torch.Tensor]:

@@ -6,13 +6,17 @@ Kept only for graphs whose forward needs nothing but its arguments and the globa
 (placeholders, calls and the output: no constant, submodule or ``self`` reference), with every
 global a module or a value that pickles by reference and comes back as the same object. The FX
 graph is still saved, and unpickled on first use of anything but ``forward`` (dumps, debugging,
-saving it again). The code runs with the same trust as the rest of the entry: torch unpickles
+saving it again). The compiled code object is saved too (marshal), and used by an interpreter
+with the same bytecode magic number; any other compiles the source. The code runs with the same trust as the rest of the entry: torch unpickles
 that entry, which can run code too, so the compile cache authenticates the whole entry first."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import linecache
+import marshal
 import math
 import pickle
 import types
@@ -53,7 +57,10 @@ def saved_forward(gm: torch.fx.GraphModule, groups: tuple[str, ...]) -> dict[str
         return None
     if any(not _same(back[k], v) for k, v in forward.__globals__.items() if k != "__builtins__"):
         return None
-    return {"code": code, "globals": names, "groups": groups}
+    filename = f"<npugraph_ex saved graph {hashlib.sha256(code.encode()).hexdigest()[:16]}>"
+    return {"code": code, "filename": filename, "globals": names, "groups": groups,
+            "magic": importlib.util.MAGIC_NUMBER,
+            "bytecode": marshal.dumps(compile(code, filename, "exec"))}
 
 
 def _resolved(names: dict[str, tuple[str, Any]]) -> dict[str, Any]:
@@ -65,13 +72,17 @@ class LoadedGraph:
     """A loaded graph: ``forward`` compiled from its saved code, ``collective_groups`` saved
     with it; anything else is the FX GraphModule, unpickled on first use."""
 
-    def __init__(self, saved: dict[str, Any], graph_data: bytes, name: str) -> None:
-        filename = f"<npugraph_ex saved graph {name}>"
+    def __init__(self, saved: dict[str, Any], graph_data: bytes) -> None:
         code: str = saved["code"]
+        filename: str = saved["filename"]
         # tracebacks show the graph's lines, as FX's own generated code does
         linecache.cache[filename] = (len(code), None, code.splitlines(keepends=True), filename)
+        if saved["magic"] == importlib.util.MAGIC_NUMBER:
+            compiled = marshal.loads(saved["bytecode"])
+        else:
+            compiled = compile(code, filename, "exec")
         namespace = _resolved(saved["globals"])
-        exec(compile(code, filename, "exec"), namespace)  # trusted as the entry is: see above
+        exec(compiled, namespace)  # trusted as the entry is: see the module docstring
         self.forward: Callable[..., Any] = types.MethodType(namespace["forward"], self)
         self.collective_groups: tuple[str, ...] = tuple(saved["groups"])
         self._graph_data = graph_data

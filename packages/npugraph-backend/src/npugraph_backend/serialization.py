@@ -177,7 +177,7 @@ class SerializableCompiledGraph(_compat.OutputCode):
         state["name"] = next_graph_name()
         forward = state.pop("forward", None)
         if forward is not None and not state["config"].get("dump_tensor_data"):
-            state["gm"] = LoadedGraph(forward, state["gm"], state["name"])
+            state["gm"] = LoadedGraph(forward, state["gm"])
         else:  # the data dumper walks the FX graph
             state["gm"] = _compat.graph_unpickle(state["gm"], example_inputs)
         compiled = CompiledGraph.__new__(CompiledGraph)
