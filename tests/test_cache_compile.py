@@ -296,31 +296,40 @@ def _fresh(decoder: Decoder) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def test_warm_start_reuses_the_kernel_decisions_its_entry_recorded(
     tmp_path: Path, decoder: Decoder
 ) -> None:
+    import npugraph_runtime
     from npugraph_runtime.devices import cpu_kernels
     from torch._dynamo.utils import counters
 
-    # as a fresh process: the entry holds the decisions made so far in the process, and the
-    # suite's other tests made hundreds
-    cpu_kernels._DECIDED.clear()
-    cpu_kernels._SEEDED.clear()
+    # Other captures of this process decided other signatures: the entry keeps only its own.
+    other = torch.randn(3, 7)
+    with npugraph_runtime.graph(g := npugraph_runtime.Graph("cpu")):
+        torch.sinh(other)
+    assert any(k.startswith("aten::sinh|") for k in cpu_kernels.kernel_decisions())
     first = cache_compile(decoder.decode, cache_dir=tmp_path)
     first(*_inputs())
+    g.reset()
     [path] = first.entry_paths
     metadata, authenticated = CacheStore.read_metadata(path)
     stored = metadata["entry_data"]
-    assert authenticated and stored and stored.items() <= cpu_kernels.kernel_decisions().items()
-    # As a fresh process: nothing decided yet. The load seeds the entry's decisions, so the
-    # warm capture times nothing; what it picks is still verified on its data, and correct.
+    assert authenticated and stored["environment"] == cpu_kernels.environment()
+    assert stored["decisions"] and not any(k.startswith("aten::sinh|") for k in stored["decisions"])
+    assert stored["decisions"].items() <= cpu_kernels.kernel_decisions().items()
+    # As a fresh process: nothing decided yet. The load seeds the entry's decisions, trusted
+    # (authenticated, same environment): the warm capture runs no candidate again, and its
+    # replays equal eager.
     cpu_kernels._DECIDED.clear()
     cpu_kernels._SEEDED.clear()
     counters.clear()
+    before = dict(cpu_kernels.DECISION_COUNTS)
     warm = cache_compile(decoder.decode, cache_dir=tmp_path)
     for args in _fresh(decoder):
         torch.testing.assert_close(warm(*args), _eager(decoder, *args), rtol=0, atol=0)
     assert counters["npugraph_ex_cache"]["loaded"] == 1
     assert sum(v for k, v in counters["npugraph_ex"].items() if k.startswith("capture")) >= 1
+    used = {k: cpu_kernels.DECISION_COUNTS[k] - before[k] for k in before}
+    assert used["trusted"] > 0 and used["decided"] == 0 and used["rechecked"] == 0
     # the costs are the entry's (a fresh timing would give other nanoseconds), all seeds used
-    assert cpu_kernels.kernel_decisions() == stored and cpu_kernels._SEEDED == {}
+    assert cpu_kernels.kernel_decisions() == stored["decisions"] and cpu_kernels._SEEDED == {}
 
 
 class Served(torch.nn.Module):

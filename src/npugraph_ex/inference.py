@@ -18,7 +18,7 @@ from npugraph_backend import CompiledGraph, CompilerConfig, npugraph_ex_backend
 from npugraph_backend.serialization import observe_compiled, pass_identity, versions
 from npugraph_cache import CacheArgumentError, CacheCompiledFunction, EntryData
 from npugraph_cache import cache_compile as _cache_compile
-from npugraph_runtime.devices.cpu_kernels import kernel_decisions, seed_kernel_decisions
+from npugraph_runtime.devices.cpu_kernels import DecisionJournal, seed_kernel_decisions
 
 if TYPE_CHECKING:
     from npugraph_cache import readable_cache
@@ -30,15 +30,20 @@ class _Backend:
     """The dynamo backend for one cache_compile: our backend with fixed options, recording the
     optimized graphs' code for readable_cache."""
 
-    def __init__(self, config: CompilerConfig, decompositions: Mapping[Any, Any] | None) -> None:
+    def __init__(
+        self, config: CompilerConfig, decompositions: Mapping[Any, Any] | None,
+        journal: DecisionJournal,
+    ) -> None:
         self.config = config
         self.decompositions = dict(decompositions) if decompositions else None
         self.codes: list[str] = []
+        self.journal = journal
 
     def _record(self, compiled: CompiledGraph) -> None:
         self.codes.append(f"# {compiled.name} on {compiled.device}\n{compiled.gm.code.strip()}")
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        self.journal.start()  # the entry's first call captures next, in this thread
         with observe_compiled(self._record):
             return npugraph_ex_backend(
                 gm, example_inputs, options=self.config.copy(), decompositions=self.decompositions
@@ -48,9 +53,9 @@ class _Backend:
         return "\n\n".join(self.codes)
 
 
-# The CPU recorder's kernel choices (timed at capture) go into the entry after its first call; a
-# warm start's capture re-uses them and only verifies them on its own data.
-KERNEL_DECISIONS = EntryData(export=kernel_decisions, seed=seed_kernel_decisions)
+def _seed_authenticated(data: Any) -> int:
+    """The cache seeds only entries whose HMAC verified with this user's key: trusted."""
+    return seed_kernel_decisions(data, trusted=True)
 
 
 def _config(options: Mapping[str, Any] | CompilerConfig | None) -> CompilerConfig:
@@ -93,10 +98,14 @@ def cache_compile(
         "parameter_guards": False,
     }
 
+    # The CPU recorder's kernel choices go into the entry after its first call (only that
+    # call's: the journal), and a warm start in the same environment re-uses them unverified.
+    journal = DecisionJournal()
+
     def compile_fn(
         _options: Mapping[str, Any] | None, decompositions: Mapping[Any, Any] | None
     ) -> _Backend:
-        return _Backend(config, decompositions)
+        return _Backend(config, decompositions, journal)
 
     if isinstance(options, CompilerConfig):
         kwargs = {**kwargs, "options": config.as_dict()}
@@ -109,7 +118,7 @@ def cache_compile(
         pp_rank=pp_rank,
         compile_fn=compile_fn,
         key_extra=key_extra,
-        entry_data=KERNEL_DECISIONS,
+        entry_data=EntryData(export=journal.export, seed=_seed_authenticated),
         # the capture manager checks every parameter's address on each call (a re-bound one is
         # a new capture): torch's per-call TENSOR_MATCH on 100 parameters would cost ~12 µs
         parameter_guards=False,

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from npugraph_backend import CompiledGraph, CompilerConfig, _compat
+from npugraph_backend.saved_forward import LoadedGraph, saved_forward
 from npugraph_backend.serialization import (
     SerializableCompiledGraph,
     cache_tag,
@@ -69,6 +70,78 @@ def test_saved_graph_loads_and_matches_eager() -> None:
     assert loaded.compiled.runner is not None  # the capture manager is rebuilt
     assert loaded.compiled.inputs == graph.inputs and loaded.compiled.outputs == graph.outputs
     assert loaded.compiled.gm.code == graph.gm.code
+
+
+def _saved_and_loaded(model: torch.nn.Module, *args: torch.Tensor) -> tuple[CompiledGraph, CompiledGraph]:
+    graph = _compile_serializable(model, *args)
+    on_disk = copy.copy(SerializableCompiledGraph(graph))
+    on_disk.prepare_for_serialization()
+    loaded = pickle.loads(pickle.dumps(on_disk))
+    loaded.post_compile([], None, {})
+    assert isinstance(loaded.compiled, CompiledGraph)
+    return graph, loaded.compiled
+
+
+def test_a_loaded_graph_runs_its_saved_code_without_rebuilding_the_fx_graph() -> None:
+    model = Block().eval()
+    graph, loaded = _saved_and_loaded(model, torch.randn(4, 16), torch.zeros(4, 16))
+    assert isinstance(loaded.gm, LoadedGraph)
+    counters = _compat.dynamo_counters()
+    counters.clear()
+    cache_ours, cache_eager = torch.zeros(4, 16), torch.zeros(4, 16)
+    with torch.no_grad():
+        for _ in range(6):  # warm-up and capture, then 5 replays with fresh inputs
+            x = torch.randn(4, 16)
+            [got] = loaded(_graph_args(model, x, cache_ours))
+            torch.testing.assert_close(got, model(x, cache_eager), rtol=0, atol=0)
+            torch.testing.assert_close(cache_ours, cache_eager, rtol=0, atol=0)
+            del got  # a held output would make the next call capture again
+    assert sum(v for k, v in counters["npugraph_ex"].items() if k.startswith("captured")) == 1
+    assert loaded.gm._module is None  # the FX graph was never unpickled
+    assert loaded.gm.code == graph.gm.code  # and is there when asked for
+
+
+@pytest.mark.parametrize("bytecode", ["this interpreter's", "another interpreter's"])
+def test_the_saved_forward_computes_what_the_fx_graph_does(bytecode: str) -> None:
+    """The saved code object is used by an interpreter with the same magic number; any other
+    compiles the saved source. Either way the forward is the FX graph's, bitwise."""
+    model = Block().eval()
+    graph = _compile_serializable(model, torch.randn(4, 16), torch.zeros(4, 16))
+    saved = saved_forward(graph.gm, ())
+    assert saved is not None
+    if bytecode == "another interpreter's":
+        saved = {**saved, "magic": b"\x00\x00\r\n", "bytecode": b"not marshal data"}
+    loaded = LoadedGraph(pickle.loads(pickle.dumps(saved)), b"")
+    with torch.no_grad():
+        for _ in range(5):
+            x, cache = torch.randn(4, 16), torch.randn(4, 16)
+            cache_fx = cache.clone()
+            want = graph.gm.forward(*_graph_args(model, x, cache_fx))
+            got = loaded.forward(*_graph_args(model, x, cache))
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            torch.testing.assert_close(cache, cache_fx, rtol=0, atol=0)
+
+
+def _graph_args(model: Block, x: torch.Tensor, cache: torch.Tensor) -> list[torch.Tensor]:
+    """Block's AOT graph inputs, in dynamo's order (first use in forward)."""
+    return [cache, model.linear.weight, model.linear.bias, x, model.norm.weight, model.norm.bias]
+
+
+class WithConstant(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.tensor([1.0, 2.0, 3.0, 4.0])  # a constant of the graph (get_attr)
+
+
+def test_a_graph_whose_forward_reads_more_than_its_arguments_is_rebuilt_on_load() -> None:
+    model = WithConstant().eval()
+    graph, loaded = _saved_and_loaded(model, torch.randn(2, 4))
+    assert any(n.op == "get_attr" for n in graph.gm.graph.nodes)
+    assert isinstance(loaded.gm, torch.fx.GraphModule)
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(2, 4)
+            [got] = loaded([x])
+            torch.testing.assert_close(got, model(x), rtol=0, atol=0)
 
 
 def test_cache_hit_after_reset_runs_the_loaded_graph_like_eager() -> None:

@@ -185,6 +185,107 @@ def test_a_llama_replays_out_kernels_through_their_public_bindings() -> None:
         assert torch.equal(out, expected)  # type: ignore[arg-type]
 
 
+@pytest.fixture
+def fresh_decisions() -> object:
+    """As in a fresh process: no decision made, none seeded; the suite's are put back."""
+    saved, seeded = dict(cpu_kernels._DECIDED), dict(cpu_kernels._SEEDED)
+    cpu_kernels._DECIDED.clear()
+    cpu_kernels._SEEDED.clear()
+    yield
+    cpu_kernels._DECIDED.clear()
+    cpu_kernels._DECIDED.update(saved)
+    cpu_kernels._SEEDED.clear()
+    cpu_kernels._SEEDED.update(seeded)
+
+
+def _journaled(fn: Callable[..., object], *inputs: torch.Tensor) -> dict[str, object]:
+    journal = cpu_kernels.DecisionJournal()
+    journal.start()
+    _capture(fn, *inputs)
+    return journal.export()
+
+
+def _counts_of(fn: Callable[..., object], x: torch.Tensor) -> dict[str, int]:
+    """How a capture of ``fn`` got its decisions; its replays equal eager on fresh data."""
+    before = dict(cpu_kernels.DECISION_COUNTS)
+    g, out = _capture(fn, x)
+    for _ in range(5):
+        x.copy_(torch.randn_like(x))
+        g.replay()  # type: ignore[attr-defined]
+        assert torch.equal(out, fn(x))  # type: ignore[arg-type]
+    return {k: cpu_kernels.DECISION_COUNTS[k] - before[k] for k in before}
+
+
+def _mm_tanh(t: torch.Tensor) -> torch.Tensor:
+    return torch.tanh(t @ t.T) * 2.0
+
+
+def test_a_journal_exports_only_the_decisions_its_captures_used(fresh_decisions: object) -> None:
+    _capture(torch.sinh, torch.randn(3, 7))
+    exported = _journaled(_mm_tanh, torch.randn(4, 6))
+    decisions = exported["decisions"]
+    assert isinstance(decisions, dict)
+    assert {k.split("|")[0] for k in decisions} >= {"aten::mm", "aten::tanh", "aten::mul.Tensor"}
+    assert not any(k.startswith("aten::sinh|") for k in decisions)
+    assert exported["environment"] == cpu_kernels.environment()
+    # a decision made before the journal started and used while it is open is the entry's too
+    again = _journaled(_mm_tanh, torch.randn(4, 6))
+    assert again["decisions"] == decisions
+
+
+def test_a_trusted_seed_of_this_environment_runs_no_candidate_again(fresh_decisions: object) -> None:
+    exported = _journaled(_mm_tanh, torch.randn(4, 6))
+    cpu_kernels._DECIDED.clear()
+    assert cpu_kernels.seed_kernel_decisions(exported, trusted=True) == 3
+    counts = _counts_of(_mm_tanh, torch.randn(4, 6))
+    assert counts == {"decided": 0, "rechecked": 0, "trusted": 3}
+
+
+@pytest.mark.parametrize("why", ["not vouched for", "other threads", "other torch build",
+                                 "threads changed after seeding", "bare mapping"])
+def test_a_seed_not_trusted_here_is_verified_on_the_capture_data(
+    fresh_decisions: object, why: str
+) -> None:
+    exported = _journaled(_mm_tanh, torch.randn(4, 6))
+    env = dict(exported["environment"])  # type: ignore[call-overload]
+    if why == "other threads":
+        env["threads"] = env["threads"] + 1
+    if why == "other torch build":
+        env["git"] = "0" * 40
+    data: dict[str, object] = {**exported, "environment": env}
+    if why == "bare mapping":
+        data = exported["decisions"]  # type: ignore[assignment]
+    cpu_kernels._DECIDED.clear()
+    cpu_kernels.seed_kernel_decisions(data, trusted=why != "not vouched for")
+    threads = torch.get_num_threads()
+    if why == "threads changed after seeding":
+        torch.set_num_threads(threads + 1)
+    try:
+        counts = _counts_of(_mm_tanh, torch.randn(4, 6))
+    finally:
+        torch.set_num_threads(threads)
+    assert counts == {"decided": 0, "rechecked": 3, "trusted": 0}
+
+
+def test_a_trusted_seed_for_another_signature_or_kernel_is_decided_afresh(
+    fresh_decisions: object,
+) -> None:
+    """A seed is looked up by the op's full signature and names candidates by label: a
+    decision for other strides, or one naming a kernel this op lacks (copy_into for tanh), is
+    never applied to this op; it is decided here, every candidate verified."""
+    exported = _journaled(_mm_tanh, torch.randn(4, 6))
+    decisions = dict(exported["decisions"])  # type: ignore[call-overload]
+    [tanh] = [k for k in decisions if k.startswith("aten::tanh|")]
+    [mm] = [k for k in decisions if k.startswith("aten::mm|")]
+    # the mm decision moved to another stride signature; tanh claims a kernel it does not have
+    decisions[mm.replace("(6, 1)", "(1, 4)")] = decisions.pop(mm)
+    decisions[tanh] = {"candidates": [["copy_into", 0]], "copy_costs": [0]}
+    cpu_kernels._DECIDED.clear()
+    cpu_kernels.seed_kernel_decisions({**exported, "decisions": decisions}, trusted=True)
+    counts = _counts_of(_mm_tanh, torch.randn(4, 6))
+    assert counts == {"decided": 2, "rechecked": 0, "trusted": 1}
+
+
 def test_a_malformed_seed_names_the_record() -> None:
     with pytest.raises(ValueError, match="record 'aten::x'"):
         cpu_kernels.seed_kernel_decisions({"aten::x": {"candidates": 5}})  # type: ignore[dict-item]

@@ -22,7 +22,11 @@ class ProcessGroupChangedError(NpugraphError):
 
 
 def group_names(gm: torch.fx.GraphModule) -> tuple[str, ...]:
-    """The group names the graph's collectives use, in first-use order."""
+    """The group names the graph's collectives use, in first-use order (saved with a graph
+    loaded without its FX graph: ``saved_forward.LoadedGraph.collective_groups``)."""
+    saved = getattr(gm, "collective_groups", None)
+    if saved is not None:
+        return tuple(saved)
     names: dict[str, None] = {}
     for node in gm.graph.nodes:
         target = node.target

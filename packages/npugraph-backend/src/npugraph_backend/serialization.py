@@ -7,7 +7,8 @@ it is an ``OutputCode``. ``SerializableCompiledGraph`` is that OutputCode around
 ``CompiledGraph``: it pickles the optimized GraphModule with torch's ``GraphPickler`` (only ops
 loadable wherever our packages are installed) plus the graph's plain state (input/output specs,
 options, name, device), and rebuilds the CompiledGraph — hence the runtime's capture manager
-with no device graph yet — on load. Captures happen again on the first call; nothing
+with no device graph yet — on load. When the forward needs only its code and globals, those are
+saved too and a load compiles them instead of rebuilding the FX graph (saved_forward.py). Captures happen again on the first call; nothing
 device-specific is stored.
 
 The AOTAutograd cache key does not know our options, so the compile runs with
@@ -30,9 +31,10 @@ import torch
 from npugraph_passes.stream_scopes import retag_graph_events
 from npugraph_runtime.ops import forget_graph_events
 
-from npugraph_backend import _compat
+from npugraph_backend import _compat, process_groups
 from npugraph_backend.compiler import CompiledGraph, next_graph_name
 from npugraph_backend.config import CompilerConfig
+from npugraph_backend.saved_forward import LoadedGraph, saved_forward
 
 _PASS_OPTIONS = ("post_grad_custom_pre_pass", "post_grad_custom_post_pass")
 _DISTRIBUTIONS = (
@@ -147,8 +149,13 @@ class SerializableCompiledGraph(_compat.OutputCode):
             return
         state = dict(self.compiled.__getstate__())
         state["config"] = _portable_config(state["config"])
+        gm = state["gm"]
+        if isinstance(gm, LoadedGraph):  # saved again after a load
+            gm = gm.module()
         try:
-            state["gm"] = _compat.graph_pickle(state["gm"], ops_filter, meta_filter)
+            state["gm"] = _compat.graph_pickle(gm, ops_filter, meta_filter)
+            # a load compiles the forward's code instead of rebuilding the graph (saved_forward)
+            state["forward"] = saved_forward(gm, process_groups.group_names(gm))
             data = pickle.dumps(state)
         except Exception as exc:
             if isinstance(exc, type(_compat.bypass_cache(""))):
@@ -168,13 +175,18 @@ class SerializableCompiledGraph(_compat.OutputCode):
         if self.state is None:
             raise RuntimeError("npugraph_ex: a saved compiled graph has no state to load")
         state = pickle.loads(self.state)
-        state["gm"] = _compat.graph_unpickle(state["gm"], example_inputs)
         # names (and the counters keyed by them) are per process: the saving process's
         # "graph_1" may already exist here
         name = next_graph_name()
-        # its events (named after the graph) are this graph's own, dropped with it
-        if retag_graph_events(state["gm"], state["name"], name):
-            weakref.finalize(state["gm"], forget_graph_events, f"{name}_")
+        forward = state.pop("forward", None)
+        if forward is not None and not state["config"].get("dump_tensor_data"):
+            state["gm"] = LoadedGraph(forward, state["gm"])
+        else:  # the data dumper walks the FX graph
+            state["gm"] = _compat.graph_unpickle(state["gm"], example_inputs)
+            # its events (named after the graph) are this graph's own, dropped with it; a saved
+            # forward never has events (saved_forward keeps their graphs as FX)
+            if retag_graph_events(state["gm"], state["name"], name):
+                weakref.finalize(state["gm"], forget_graph_events, f"{name}_")
         state["name"] = name
         compiled = CompiledGraph.__new__(CompiledGraph)
         compiled.__setstate__(state)

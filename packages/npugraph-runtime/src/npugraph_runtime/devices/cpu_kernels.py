@@ -14,12 +14,25 @@ as the op itself.
 
 Decisions are kept per op and argument layout (``_DECIDED``): a later capture of the same
 signature re-times nothing and verifies only the candidates that can still win, on its own data.
-``kernel_decisions`` / ``seed_kernel_decisions`` export and import them as plain data, so a cache
-entry can carry them to another process."""
+A ``DecisionJournal`` exports, as plain data, the decisions the captures of one thread used while
+it was open (what one cache entry's first call decided); ``seed_kernel_decisions`` imports them,
+possibly in another process.
+
+A seeded decision is used without running its kernels again only when it is ``trusted``: the
+caller vouches that the data is authentic (npugraph_ex's cache passes only entries whose HMAC
+verified with this user's key) and the process matches the one that decided: the same torch
+build, CPU capability, intra-op threads and numerics flags (``environment()``), and, per op, the
+same overload, argument dtypes, shapes, strides, layouts, devices and constants (the key text),
+with every candidate it names available here. Those fix which kernel code runs, so the bitwise
+check the deciding process made on its capture's data holds here as it would for a recapture
+there. Anything else (another build or thread count, a signature not in the seed, a label this
+torch lacks, a seed not vouched for) is verified on the capture's data as before."""
 
 from __future__ import annotations
 
 import enum
+import platform
+import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -249,10 +262,12 @@ _COPY_SOURCE = {"aten::clone": 0, "aten::_to_copy": 0, "aten::lift_fresh_copy": 
 @dataclass(frozen=True)
 class Decision:
     """What the first capture of one op signature found: its verified candidates with their
-    costs, and the cost of copying each output."""
+    costs, and the cost of copying each output. ``trusted``: seeded from an authenticated entry
+    made in this environment (see the module docstring); its candidates are not run again."""
 
     candidates: tuple[Candidate, ...]
     copy_costs: tuple[int, ...]
+    trusted: bool = False
 
 
 # Decisions by (op, argument layouts and constants, copy_only): a model's repeated layers and
@@ -260,8 +275,71 @@ class Decision:
 # that can be picked.
 _DECIDED: dict[Any, Decision] = {}
 _DECIDED_MAX = 4096
-# Decisions imported with seed_kernel_decisions, by the text of their key, until first used.
-_SEEDED: dict[str, tuple[tuple[tuple[str, int], ...], tuple[int, ...]]] = {}
+# Decisions imported with seed_kernel_decisions, by the text of their key, until first used:
+# (labels with costs, copy costs, the intra-op threads a trusted seed holds for, or None).
+_SEEDED: dict[str, tuple[tuple[tuple[str, int], ...], tuple[int, ...], int | None]] = {}
+# How captures got their decisions in this process: "decided" (every candidate verified and
+# timed), "rechecked" (a known decision, its pickable candidates verified), "trusted" (a trusted
+# seed, nothing run again).
+DECISION_COUNTS: dict[str, int] = {"decided": 0, "rechecked": 0, "trusted": 0}
+
+
+class _OpenJournals(threading.local):
+    journals: tuple[DecisionJournal, ...] = ()
+
+
+_OPEN = _OpenJournals()
+
+
+class DecisionJournal:
+    """The decisions the captures of one thread use between ``start()`` and ``export()``:
+    what one cache entry's first call decided, and nothing else the process decided."""
+
+    def __init__(self) -> None:
+        self._used: dict[str, Decision] = {}
+
+    def start(self) -> None:
+        """Forget what was noted and note, in this thread, every decision a capture uses."""
+        self._used = {}
+        if self not in _OPEN.journals:
+            _OPEN.journals = (*_OPEN.journals, self)
+
+    def note(self, key: Any, decision: Decision) -> None:
+        self._used[_key_text(key)] = decision
+
+    def export(self) -> dict[str, Any]:
+        """Stop noting; the decisions noted, with the environment they hold for, as plain data
+        (str, int, lists) for ``seed_kernel_decisions``."""
+        _OPEN.journals = tuple(j for j in _OPEN.journals if j is not self)
+        used, self._used = self._used, {}
+        return {"environment": environment(), "decisions": {
+            text: {"candidates": [[c.label, c.cost_ns] for c in d.candidates],
+                   "copy_costs": list(d.copy_costs)}
+            for text, d in used.items()
+        }}
+
+
+def environment() -> dict[str, Any]:
+    """What decides which kernel code an op runs, besides its arguments: a trusted seed must
+    have been decided where all of it was the same."""
+    return {
+        "torch": torch.__version__,
+        "git": torch.version.git_version,
+        "machine": platform.machine(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "threads": torch.get_num_threads(),
+        "mkldnn": bool(torch.backends.mkldnn.enabled),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "matmul_precision": torch.get_float32_matmul_precision(),
+        "flush_denormal": _flush_denormal(),
+        "labels": "op binding copy_into out_public out_overload",  # this module's candidates
+    }
+
+
+def _flush_denormal() -> bool:
+    """Whether denormals flush to zero (torch.set_flush_denormal has no getter)."""
+    tiny = torch.tensor([1e-39], dtype=torch.float32)
+    return bool((tiny * 1.0).item() == 0.0)
 
 
 def _possible(func: Any, op: Callable[..., Any], outs: Outs, copy_only: bool) -> list[Candidate]:
@@ -365,15 +443,23 @@ def out_candidates(
     try:
         decision = _DECIDED.get(key)
     except TypeError:  # an unhashable constant: decide every time
+        DECISION_COUNTS["decided"] += 1
         return _as_lists(_decide(func, op, args, kwargs, outs, copy_only))
     if decision is None and _SEEDED:
         decision = _from_seed(key, func, op, outs, copy_only)
-    if decision is not None:
+    if decision is None:
+        how = "decided"
+        decision = _decide(func, op, args, kwargs, outs, copy_only)
+        if len(_DECIDED) >= _DECIDED_MAX:
+            _DECIDED.clear()
+        _DECIDED[key] = decision
+    else:
+        how = "trusted" if decision.trusted else "rechecked"
+    DECISION_COUNTS[how] += 1
+    for journal in _OPEN.journals:
+        journal.note(key, decision)
+    if how == "rechecked":
         return _recheck(decision, op, args, kwargs, outs), list(decision.copy_costs)
-    decision = _decide(func, op, args, kwargs, outs, copy_only)
-    if len(_DECIDED) >= _DECIDED_MAX:
-        _DECIDED.clear()
-    _DECIDED[key] = decision
     return _as_lists(decision)
 
 
@@ -387,21 +473,24 @@ def _from_seed(
     seeded = _SEEDED.pop(_key_text(key), None)
     if seeded is None:
         return None
-    labels, copy_costs = seeded
+    labels, copy_costs, threads = seeded
     by_label = {c.label: c for c in _possible(func, op, outs, copy_only)}
     if len(copy_costs) != len(outs) or any(label not in by_label for label, _ in labels):
         return None  # made by another torch or another version of this module: decide afresh
     candidates = [replace(by_label[label], cost_ns=cost) for label, cost in labels]
     if not any(c.call is op for c in candidates):
         candidates.append(by_label["op"])
-    decision = Decision(tuple(_binding_first(candidates)), copy_costs)
+    # the thread count may have changed since the seed was taken: checked again here
+    trusted = threads is not None and threads == torch.get_num_threads()
+    decision = Decision(tuple(_binding_first(candidates)), copy_costs, trusted)
     _DECIDED[key] = decision
     return decision
 
 
 def kernel_decisions() -> dict[str, dict[str, list[Any]]]:
-    """The decisions made in this process, as plain data (str, int, lists) a cache entry can
-    store: key text -> {"candidates": [[label, cost_ns], ...], "copy_costs": [...]}."""
+    """The decisions made in this process, as plain data (str, int, lists): key text ->
+    {"candidates": [[label, cost_ns], ...], "copy_costs": [...]}. A cache entry stores what a
+    ``DecisionJournal`` noted instead: only its own captures' decisions."""
     out: dict[str, dict[str, list[Any]]] = {}
     for key, d in list(_DECIDED.items()):
         out[_key_text(key)] = {
@@ -411,10 +500,25 @@ def kernel_decisions() -> dict[str, dict[str, list[Any]]]:
     return out
 
 
-def seed_kernel_decisions(decisions: dict[str, dict[str, list[Any]]]) -> int:
-    """Import decisions exported by ``kernel_decisions`` (possibly in another process): captures
-    of those signatures skip the timing; what they pick is still verified on their own data.
-    Returns how many were taken; malformed records raise ValueError naming the record."""
+def seed_kernel_decisions(decisions: dict[str, Any], trusted: bool = False) -> int:
+    """Import decisions exported by a ``DecisionJournal`` (``{"environment": ..., "decisions":
+    {...}}``) or by ``kernel_decisions`` (the bare mapping), possibly in another process:
+    captures of those signatures skip the timing, and what they pick is still verified on
+    their own data, unless ``trusted`` (the caller vouches the data is authentic) and the
+    export's environment is this process's (see the module docstring). Returns how many were
+    taken; malformed records raise ValueError naming the record."""
+    if not isinstance(decisions, dict):
+        raise ValueError(
+            f"seed_kernel_decisions: expected a dict of decisions, got {type(decisions).__name__}"
+        )
+    threads: int | None = None
+    if set(decisions) == {"environment", "decisions"}:
+        env = decisions["environment"]
+        if trusted and env == environment():
+            threads = torch.get_num_threads()
+        decisions = decisions["decisions"]
+        if not isinstance(decisions, dict):
+            raise ValueError("seed_kernel_decisions: 'decisions' is not a dict of records")
     taken = 0
     for text, record in decisions.items():
         try:
@@ -425,7 +529,7 @@ def seed_kernel_decisions(decisions: dict[str, dict[str, list[Any]]]) -> int:
                 f"seed_kernel_decisions: record {text!r} is not of the form "
                 f"{{'candidates': [[label, cost_ns], ...], 'copy_costs': [int, ...]}}: {exc}"
             ) from None
-        _SEEDED[str(text)] = (labels, copy_costs)
+        _SEEDED[str(text)] = (labels, copy_costs, threads)
         taken += 1
     return taken
 

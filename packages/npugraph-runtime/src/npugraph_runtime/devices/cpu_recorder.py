@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 import torch
@@ -117,6 +118,59 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, (list, tuple)):
         for v in value:
             yield from _tensors(v)
+
+
+def _tensor_list(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors among an op's arguments, nested lists included, in order."""
+    found: list[torch.Tensor] = []
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            found.append(value)
+        elif isinstance(value, (list, tuple)):
+            found += _tensors(value)
+    return found
+
+
+@dataclass(frozen=True, slots=True)
+class _OpInfo:
+    """What the recorder asks of an op on every call that its schema and tags alone decide."""
+
+    name: str  # overload_name
+    unsafe_tags: tuple[tuple[str, str], ...]  # its tags of _UNSAFE_TAGS, in that order
+    named_reason: str | None  # _UNSAFE_NAMES
+    copies: bool  # one of _COPY_OPS: unsafe when it copies between devices
+    writes: tuple[tuple[int, ...], tuple[str, ...]]  # write_positions
+    trusted_schema: bool  # its namespace declares what it writes
+    metadata_only: bool  # an in-place view op
+    wait: bool  # a collective's wait
+    functional_collective: bool  # a _c10d_functional op
+    event_marker: bool  # a graph-event op: program order orders a replay, so it is left out
+    marker: bool  # a scope op a replay runs again
+    allocation: bool
+
+
+@cache
+def _op_info(func: Any) -> _OpInfo:
+    name = overload_name(func)
+    tags = func.tags
+    unsafe_tags = tuple(
+        (tag_name, why) for tag_name, why in _UNSAFE_TAGS
+        if (tag := getattr(torch.Tag, tag_name, None)) is not None and tag in tags
+    )
+    return _OpInfo(
+        name,
+        unsafe_tags,
+        _UNSAFE_NAMES.get(name),
+        str(_compat.op_schema(func).name) in _COPY_OPS or name in _COPY_OPS,
+        write_positions(func),
+        func.namespace in _TRUSTED_SCHEMAS,
+        torch.Tag.inplace_view in tags,
+        is_wait(func),
+        func.namespace == "_c10d_functional",
+        is_event_marker(func),
+        replays_marker(func),
+        is_allocation(func),
+    )
 
 
 def _argument(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
@@ -413,21 +467,18 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
             for s in self.in_flight.waited(self._storage_of(args[0])):
                 self.storages[s].last = max(self.storages[s].last, index)
 
-    def _unsafe_reason(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-        name = overload_name(func)
-        tags = func.tags
-        for tag_name, why in _UNSAFE_TAGS:
-            tag = getattr(torch.Tag, tag_name, None)
-            if tag is not None and tag in tags:
-                if tag_name == "nondeterministic_seeded" and _draws_nothing(func, args, kwargs):
-                    continue
-                if tag_name == "dynamic_output_shape" and _shape_fixed_here(func, args, kwargs):
-                    continue
-                return why
-        reason = _UNSAFE_NAMES.get(name)
-        if reason is not None:
-            return reason
-        if str(_compat.op_schema(func).name) in _COPY_OPS or name in _COPY_OPS:
+    def _unsafe_reason(
+        self, info: _OpInfo, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> str | None:
+        for tag_name, why in info.unsafe_tags:
+            if tag_name == "nondeterministic_seeded" and _draws_nothing(func, args, kwargs):
+                continue
+            if tag_name == "dynamic_output_shape" and _shape_fixed_here(func, args, kwargs):
+                continue
+            return why
+        if info.named_reason is not None:
+            return info.named_reason
+        if info.copies:
             devices = {t.device for t in _tensors((args, tuple(kwargs.values())))}
             target = kwargs.get("device")
             if target is not None:
@@ -439,14 +490,15 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
     def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         index = len(self.steps)
         name = str(func)
-        reason = self._unsafe_reason(func, args, kwargs)
+        info = _op_info(func)
+        reason = self._unsafe_reason(info, func, args, kwargs)
         if reason is not None and self.mode != "relaxed":
             raise CaptureError(
                 f"{name} cannot be captured: it {reason}. Move it out of the captured region, or "
                 f"capture with capture_error_mode='relaxed' to let replays repeat the value it "
                 f"produced during capture (mode is {self.mode!r})"
             )
-        inputs = list(_tensors((args, tuple(kwargs.values()))))
+        inputs = _tensor_list(args, kwargs)
         if reason is None:
             for t in inputs:
                 if t.device != _CPU:
@@ -454,11 +506,11 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
                         f"{name} got a tensor on {t.device} while capturing a cpu graph: a graph "
                         f"captures one device; move every tensor the function uses to cpu"
                     )
-        positions, names = write_positions(func)
+        positions, names = info.writes
         written = [t for i in positions if i < len(args) for t in _tensors(args[i])]
         written += [t for n in names for t in _tensors(kwargs.get(n))]
         # a custom op's schema may not declare its writes: keep every pre-existing input it gets
-        for t in written if func.namespace in _TRUSTED_SCHEMAS else inputs:
+        for t in written if info.trusted_schema else inputs:
             if t.device == _CPU:
                 self._snapshot(t)
         method = None
@@ -470,7 +522,10 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
                 if all(t.untyped_storage() is not self_storage for t in inputs[1:]):
                     before = _exact_copy(args[0])
         result = func(*args, **kwargs)
-        leaves = [(p, v) for p, v in _leaves(result) if isinstance(v, torch.Tensor)]
+        leaves: list[tuple[tuple[int, ...], torch.Tensor]] = (
+            [((), result)] if isinstance(result, torch.Tensor)
+            else [(p, v) for p, v in _leaves(result) if isinstance(v, torch.Tensor)]
+        )
         if reason is None:
             for _, t in leaves:
                 if t.device != _CPU:
@@ -478,7 +533,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
                         f"{name} produced a tensor on {t.device} while capturing a cpu graph: "
                         f"a graph captures one device"
                     )
-        metadata_only = torch.Tag.inplace_view in func.tags
+        metadata_only = info.metadata_only
         if metadata_only:
             # the tensor's metadata changed: later ops must see the new view, earlier ones the old
             for t in written:
@@ -495,10 +550,10 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
         stream = current_cpu_stream()
         step = Step(func, Kind.SKIP, args_r, kwargs_r, outs, stream=stream)
 
-        op = _Op(func, args, kwargs, index, reason, written, leaves, outs, fresh, metadata_only,
-                 method, before)
+        op = _Op(func, info, args, kwargs, index, reason, written, leaves, outs, fresh,
+                 metadata_only, method, before)
         next(fill for applies, fill in _KIND_RULES if applies(op))(self, op, step)
-        if step.kind is Kind.COPY and overload_name(func) == _SDPA_CPU:
+        if step.kind is Kind.COPY and info.name == _SDPA_CPU:
             self._read_grouped_kv(step, args, kwargs, leaves, index)
         for _, r in step.outs:
             self._producer.setdefault(self.tensors[r.i].storage, index)
@@ -527,6 +582,7 @@ class _Op:
     """One op as ``Recorder._record`` saw it run: what picks the kind of its step."""
 
     func: Any
+    info: _OpInfo
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     index: int
@@ -612,11 +668,11 @@ _KIND_RULES: tuple[tuple[Callable[[_Op], bool], Callable[[Recorder, _Op, Step], 
     (lambda op: op.reason is not None, _frozen),
     (lambda op: op.metadata_only, _skip),
     (lambda op: bool(op.written), _writes),
-    (lambda op: is_wait(op.func), _collective_wait),
-    (lambda op: op.func.namespace == "_c10d_functional" and bool(op.fresh), _collective),
-    (lambda op: is_event_marker(op.func), _skip),  # ordered by program order at replay
-    (lambda op: replays_marker(op.func), _as_is),
-    (lambda op: not op.fresh and op.func.namespace not in _TRUSTED_SCHEMAS, _as_is),
-    (lambda op: not op.fresh or is_allocation(op.func), _skip),
+    (lambda op: op.info.wait, _collective_wait),
+    (lambda op: op.info.functional_collective and bool(op.fresh), _collective),
+    (lambda op: op.info.event_marker, _skip),  # ordered by program order at replay
+    (lambda op: op.info.marker, _as_is),
+    (lambda op: not op.fresh and not op.info.trusted_schema, _as_is),
+    (lambda op: not op.fresh or op.info.allocation, _skip),
     (lambda op: True, _computes),
 )
