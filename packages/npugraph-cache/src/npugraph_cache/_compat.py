@@ -250,3 +250,82 @@ def is_seeded_op(target: object) -> bool:
             for name in target.overloads()  # type: ignore[no-untyped-call]
         )
     return False
+
+
+# --- dispatch.py: the backend's graph called without dynamo's transformed bytecode -------------
+# What dynamo's bytecode may do besides fetching the graph's inputs and calling it: a store, a
+# delete or an import is a side effect that a direct call would skip.
+_SIDE_EFFECTS = frozenset({
+    "STORE_ATTR", "STORE_SUBSCR", "STORE_GLOBAL", "STORE_DEREF", "STORE_NAME", "STORE_SLICE",
+    "DELETE_ATTR", "DELETE_SUBSCR", "DELETE_GLOBAL", "DELETE_DEREF", "DELETE_NAME",
+    "IMPORT_NAME", "IMPORT_FROM", "LOAD_DEREF", "LOAD_CLOSURE", "LOAD_NAME", "MAKE_FUNCTION",
+    "YIELD_VALUE", "SETUP_WITH", "BEFORE_WITH", "RAISE_VARARGS", "LOAD_BUILD_CLASS",
+})
+# attributes the bytecode may read: a module's own dicts (the graph's parameters, buffers and
+# submodules) and dynamo's bytecode-timing helpers (no effect on values)
+_MODULE_DICTS = frozenset({"_modules", "_parameters", "_buffers"})
+_TIMING = frozenset({"record_pregraph_bytecode_enter", "record_pregraph_bytecode_exit"})
+
+
+def _plain_fetch_and_call(fn: Any, backend_id: str) -> bool:
+    """The transformed bytecode only reads the graph's inputs (locals, module dicts, subscripts),
+    calls the graph once (plus dynamo's timing helpers) and returns what it got."""
+    import dis
+
+    import torch._dynamo.utils as dynamo_utils
+
+    code = fn.__code__
+    if fn.__closure__ or code.co_freevars or code.co_cellvars:
+        return False
+    calls = timing = 0
+    for ins in dis.get_instructions(code):
+        op = ins.opname
+        if op in _SIDE_EFFECTS:
+            return False
+        if op == "LOAD_GLOBAL":
+            name = str(ins.argval)
+            if name != backend_id and fn.__globals__.get(name) is not dynamo_utils:
+                return False
+        elif op in ("LOAD_ATTR", "LOAD_METHOD"):
+            if ins.argval in _TIMING:
+                timing += 1
+            elif ins.argval not in _MODULE_DICTS:
+                return False
+        elif op.startswith("CALL") and op != "CALL_INTRINSIC_1":
+            calls += 1
+    return calls == timing + 1
+
+
+def probe_call(compiled: Any, args: tuple[Any, ...]) -> tuple[Any, Any]:
+    """Call ``compiled`` (guards already checked) positionally and return ``(result, probe)``;
+    ``probe`` is ``(graph, flat_inputs, graph_output)`` when dynamo's bytecode for it does
+    nothing but fetch the graph's inputs and call ``graph(*flat_inputs)`` once, else None.
+
+    Checked on torch 2.13.0: ``AOTCompiledFunction.fn`` is a function of the transformed
+    bytecode whose globals map ``_artifacts.backend_id`` to the backend's compiled callable
+    (``CompileArtifacts.runtime_env.forward_callable``). The call here runs that bytecode with
+    the callable wrapped to record its inputs and output. Another torch (an attribute missing,
+    another layout) gets a plain call and no probe."""
+    import types
+
+    fn = getattr(compiled, "fn", None)
+    backend_id = getattr(getattr(compiled, "_artifacts", None), "backend_id", None)
+    f_globals = getattr(fn, "__globals__", None)
+    if (not isinstance(fn, types.FunctionType) or not isinstance(backend_id, str)
+            or not isinstance(f_globals, dict) or backend_id not in f_globals
+            or not _plain_fetch_and_call(fn, backend_id)):
+        return compiled(*args), None
+    graph = f_globals[backend_id]
+    seen: list[tuple[tuple[Any, ...], Any]] = []
+
+    def recording(*flat: Any) -> Any:
+        out = graph(*flat)
+        seen.append((flat, out))
+        return out
+
+    probe = types.FunctionType(fn.__code__, {**f_globals, backend_id: recording}, fn.__name__,
+                               fn.__defaults__, fn.__closure__)
+    result = probe(*args)
+    if len(seen) != 1:
+        return result, None
+    return result, (graph, *seen[0])
