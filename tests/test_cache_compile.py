@@ -364,7 +364,9 @@ def test_serving_path_catches_every_change_that_would_make_a_replay_wrong(
     tmp_path: Path, start: str
 ) -> None:
     """cache_compile keeps no per-call guard on parameters (the capture manager checks their
-    addresses): each change below still gives a result equal to eager, over >= 5 calls."""
+    addresses) and, once an entry's guards pass, calls its graph through a flat-argument plan
+    (no dynamo bytecode): each change below still gives a result equal to eager, over >= 5
+    calls, and the re-bound parameter makes a new plan."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
@@ -376,6 +378,7 @@ def test_serving_path_catches_every_change_that_would_make_a_replay_wrong(
     _matches_eager(fn, model, _served_inputs(5))
     assert counters["npugraph_ex_cache"]["loaded" if start == "warm" else "compiled"] == 1
     assert _captures() >= 1
+    assert counters["npugraph_ex_cache"]["direct_plans"] == 1  # calls 2-5 took the plan
     # user-input shape and dtype: the kept guards reject the entry, another one is compiled
     _matches_eager(fn, model, _served_inputs(5, shape=(6, 16)))
     model.double()
@@ -390,14 +393,108 @@ def test_serving_path_catches_every_change_that_would_make_a_replay_wrong(
     _matches_eager(fn, model, calls[1:])
     torch.testing.assert_close(kept, kept_expected, rtol=1e-5, atol=1e-6)
     # a re-bound parameter (no frozen_parameter): a capture of its own, the new weight used
-    before = _captures()
+    # (setattr makes the plan stale: the next call runs dynamo's bytecode and plans again)
+    before, plans = _captures(), counters["npugraph_ex_cache"]["direct_plans"]
     model.layers[1].weight = torch.nn.Parameter(torch.randn(16, 16), requires_grad=False)
     _matches_eager(fn, model, _served_inputs(5))
-    model.layers[2].bias.data = torch.randn(16)  # same Parameter, new storage
+    assert counters["npugraph_ex_cache"]["direct_plans"] == plans + 1
+    model.layers[2].bias.data = torch.randn(16)  # same Parameter, new storage: same plan
     _matches_eager(fn, model, _served_inputs(5))
     assert _captures() >= before + 2
+    assert counters["npugraph_ex_cache"]["direct_plans"] == plans + 1
+    # a re-bound submodule
+    model.layers[0] = torch.nn.Linear(16, 16)
+    _matches_eager(fn, model, _served_inputs(5))
+    assert counters["npugraph_ex_cache"]["direct_plans"] == plans + 2
     # no recompile for either
     assert counters["npugraph_ex_cache"]["compiled"] == (2 if start == "warm" else 3)
+
+
+class Cached(torch.nn.Module):
+    """A decode step that updates a buffer in place (a KV cache's shape of problem)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.register_buffer("cache", torch.zeros(8, 16))
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        self.cache.mul_(0.5).add_(self.proj(x))
+        return self.cache * 2.0 + x
+
+
+@pytest.mark.parametrize("start", ["cold", "warm"])
+def test_serving_path_follows_a_mutated_buffer_and_its_re_binding(
+    tmp_path: Path, start: str
+) -> None:
+    """The plan calls AOT's wrapper, which applies the in-place update; a buffer re-bound by
+    setattr (a new cache) is planned again. Compared with an eager twin over >= 5 calls."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = Cached().eval()
+    twin = copy.deepcopy(model)
+    if start == "warm":
+        warm_up = copy.deepcopy(model)
+        cache_compile(warm_up.step, dynamic=False, cache_dir=tmp_path)(torch.randn(8, 16))
+        counters.clear()
+    fn = cache_compile(model.step, dynamic=False, cache_dir=tmp_path)
+
+    def same(n: int) -> None:
+        for _ in range(n):
+            x = torch.randn(8, 16)
+            with torch.no_grad():
+                expected = twin.step(x)
+            torch.testing.assert_close(fn(x), expected, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(model.cache, twin.cache, rtol=1e-5, atol=1e-6)
+
+    same(6)
+    assert _captures() >= 1
+    assert counters["npugraph_ex_cache"]["direct_plans"] == 1
+    model.cache = torch.ones(8, 16)
+    twin.cache = torch.ones(8, 16)
+    same(6)
+    assert counters["npugraph_ex_cache"]["direct_plans"] == 2
+
+
+_OFFSET = torch.ones(16)
+
+
+class ReadsGlobal(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) + _OFFSET
+
+
+def test_serving_path_keeps_dynamos_bytecode_for_a_graph_that_reads_a_global(
+    tmp_path: Path,
+) -> None:
+    """A graph input that is neither a call argument nor the module's own tensor (here a module
+    global) gets no plan: such a graph keeps dynamo's bytecode, equal to eager. (Re-binding the
+    global is not seen on either path: the loaded function holds the globals it was made with,
+    see the README's serving-path paragraph.)"""
+    from torch._dynamo.utils import counters
+
+    model = ReadsGlobal().eval()
+    fn = cache_compile(model.step, dynamic=False, cache_dir=tmp_path)
+    for _ in range(5):
+        x = torch.randn(8, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(fn(x), model.step(x))
+    assert counters["npugraph_ex_cache"]["direct_plans"] == 0
+    assert _captures() >= 1
+
+
+def test_direct_dispatch_must_be_a_bool(tmp_path: Path) -> None:
+    from npugraph_cache import CacheArgumentError
+
+    with pytest.raises(CacheArgumentError, match="direct_dispatch must be True or False"):
+        cache_compile(Served().step, cache_dir=tmp_path, direct_dispatch=1)
 
 
 @pytest.mark.parametrize("start", ["cold", "warm"])

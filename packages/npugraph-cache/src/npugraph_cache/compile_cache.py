@@ -222,6 +222,8 @@ class CacheCompiledFunction:
         entry.registrations = registrations()
         result, probe = _compat.probe_call(entry.compiled, call_args)
         entry.direct = plan(self._module, args, probe, result)
+        if entry.direct is not None:
+            bump("direct_plans")
         return result
 
     def _finish_entry(self) -> None:
