@@ -459,6 +459,40 @@ def test_serving_path_follows_a_mutated_buffer_and_its_re_binding(
     assert counters["npugraph_ex_cache"]["direct_plans"] == 2
 
 
+class SizeDependent(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def step(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.proj(a * b + a.shape[0])).reshape(-1)
+
+
+@pytest.mark.parametrize("start", ["cold", "warm"])
+def test_serving_path_plans_a_dynamic_graph_with_the_sizes_of_each_call(
+    tmp_path: Path, start: str
+) -> None:
+    """dynamic=True: the graph takes the batch size as an input, read by dynamo's bytecode from
+    a call argument; the plan reads it from each call, so every batch size replays its own
+    capture of the one entry, equal to eager."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = SizeDependent().eval()
+    if start == "warm":
+        cache_compile(model.step, cache_dir=tmp_path)(torch.randn(8, 16), torch.randn(8, 16))
+        counters.clear()
+    fn = cache_compile(model.step, cache_dir=tmp_path)
+    for n in (8, 8, 4, 4, 8, 3, 3, 5, 5, 8):
+        a, b = torch.randn(n, 16), torch.randn(n, 16)
+        with torch.no_grad():
+            expected = model.step(a, b)
+        torch.testing.assert_close(fn(a, b), expected)
+    assert counters["npugraph_ex_cache"]["loaded" if start == "warm" else "compiled"] == 1
+    assert counters["npugraph_ex_cache"]["direct_plans"] == 1
+    assert _captures() == 4  # batch sizes 8, 4, 3, 5
+
+
 _OFFSET = torch.ones(16)
 
 

@@ -267,33 +267,68 @@ _MODULE_DICTS = frozenset({"_modules", "_parameters", "_buffers"})
 _TIMING = frozenset({"record_pregraph_bytecode_enter", "record_pregraph_bytecode_exit"})
 
 
-def _plain_fetch_and_call(fn: Any, backend_id: str) -> bool:
-    """The transformed bytecode only reads the graph's inputs (locals, module dicts, subscripts),
-    calls the graph once (plus dynamo's timing helpers) and returns what it got."""
+def _plain_fetch_and_call(fn: Any, backend_id: str) -> list[tuple[int, int]] | None:
+    """When the transformed bytecode only reads the graph's inputs (locals, module dicts,
+    subscripts, and a dynamic size as ``torch._dynamo.utils.call_size(local, dim)``), calls the
+    graph once (plus dynamo's timing helpers) and returns what it got: the sizes it reads, as
+    (position among the function's arguments, dim) in the order it reads them; else None."""
     import dis
 
     import torch._dynamo.utils as dynamo_utils
 
     code = fn.__code__
     if fn.__closure__ or code.co_freevars or code.co_cellvars:
-        return False
-    calls = timing = 0
+        return None
+    positions = {name: i for i, name in enumerate(code.co_varnames[: code.co_argcount])}
+    aliases: dict[str, int] = {}  # a temporary holding an argument as it was loaded
+    sizes: list[tuple[int, int]] = []
+    pending: list[int | None] | None = None  # inside call_size(...): [argument, dim]
+    last_arg: int | None = None
+    calls = helpers = 0
     for ins in dis.get_instructions(code):
         op = ins.opname
         if op in _SIDE_EFFECTS:
-            return False
+            return None
         if op == "LOAD_GLOBAL":
             name = str(ins.argval)
             if name != backend_id and fn.__globals__.get(name) is not dynamo_utils:
-                return False
+                return None
         elif op in ("LOAD_ATTR", "LOAD_METHOD"):
             if ins.argval in _TIMING:
-                timing += 1
+                helpers += 1
+            elif ins.argval == "call_size":
+                helpers += 1
+                pending = [None, None]
             elif ins.argval not in _MODULE_DICTS:
-                return False
+                return None
+        elif op == "LOAD_FAST":
+            last_arg = positions.get(str(ins.argval), aliases.get(str(ins.argval)))
+            if pending is not None and pending[0] is None:
+                if last_arg is None:
+                    return None
+                pending[0] = last_arg
+        elif op == "STORE_FAST":
+            name = str(ins.argval)
+            if name in positions:
+                return None  # an argument re-assigned: the positions would not hold
+            if last_arg is None:
+                aliases.pop(name, None)
+            else:
+                aliases[name] = last_arg
+        elif op == "LOAD_CONST" and pending is not None and pending[0] is not None:
+            if not isinstance(ins.argval, int) or pending[1] is not None:
+                return None
+            pending[1] = ins.argval
         elif op.startswith("CALL") and op != "CALL_INTRINSIC_1":
             calls += 1
-    return calls == timing + 1
+            if pending is not None:
+                if pending[0] is None or pending[1] is None:
+                    return None
+                sizes.append((pending[0], pending[1]))
+                pending = None
+        if op not in ("LOAD_FAST", "COPY", "STORE_FAST"):
+            last_arg = None
+    return sizes if calls == helpers + 1 and pending is None else None
 
 
 def probe_call(compiled: Any, args: tuple[Any, ...]) -> tuple[Any, Any]:
@@ -312,8 +347,10 @@ def probe_call(compiled: Any, args: tuple[Any, ...]) -> tuple[Any, Any]:
     backend_id = getattr(getattr(compiled, "_artifacts", None), "backend_id", None)
     f_globals = getattr(fn, "__globals__", None)
     if (not isinstance(fn, types.FunctionType) or not isinstance(backend_id, str)
-            or not isinstance(f_globals, dict) or backend_id not in f_globals
-            or not _plain_fetch_and_call(fn, backend_id)):
+            or not isinstance(f_globals, dict) or backend_id not in f_globals):
+        return compiled(*args), None
+    sizes = _plain_fetch_and_call(fn, backend_id)
+    if sizes is None:
         return compiled(*args), None
     graph = f_globals[backend_id]
     seen: list[tuple[tuple[Any, ...], Any]] = []
@@ -328,4 +365,4 @@ def probe_call(compiled: Any, args: tuple[Any, ...]) -> tuple[Any, Any]:
     result = probe(*args)
     if len(seen) != 1:
         return result, None
-    return result, (graph, *seen[0])
+    return result, (graph, *seen[0], sizes)

@@ -54,17 +54,28 @@ def _install() -> bool:
 
 def plan(module: torch.nn.Module, args: tuple[Any, ...], probe: Any, result: Any) -> Direct | None:
     """``args -> result`` for later calls of the probed entry, or None when the probed call does
-    not fit a plan: a graph input that is neither exactly one of ``args`` nor a tensor of
-    ``module`` (a global, a size, an alias of both), or a result that is not the graph's output,
-    one of its items, or a tuple of them."""
+    not fit a plan: a graph input that is neither exactly one of ``args``, a tensor of
+    ``module``, nor a dynamic size the bytecode reads from one of ``args`` (a global, an alias of
+    both), or a result that is not the graph's output, one of its items, or a tuple of them."""
     if probe is None or not _install():
         return None
-    graph, flat, out = probe
+    graph, flat, out, sizes = probe
     own = {id(t) for _, t in itertools.chain(module.named_parameters(remove_duplicate=False),
                                              module.named_buffers(remove_duplicate=False))}
     template = list(flat)
     taken: list[tuple[int, int]] = []  # (graph input, call argument)
+    sized: list[tuple[int, int, int]] = []  # (graph input, call argument, dim): a dynamic size
+    reads = iter(sizes)
     for j, x in enumerate(flat):
+        if type(x) is int:
+            # the bytecode's next call_size(argument, dim); positions count the module first
+            at, dim = next(reads, (0, 0))
+            arg = args[at - 1] if 0 < at <= len(args) else None
+            if not isinstance(arg, torch.Tensor) or not -arg.dim() <= dim < arg.dim() or (
+                    arg.size(dim) != x):
+                return None
+            sized.append((j, at - 1, dim))
+            continue
         if not isinstance(x, torch.Tensor):
             return None
         hits = [i for i, a in enumerate(args) if a is x]
@@ -73,10 +84,11 @@ def plan(module: torch.nn.Module, args: tuple[Any, ...], probe: Any, result: Any
         if hits:
             taken.append((j, hits[0]))
     pick = _output_picker(out, result)
-    if pick is None:
+    if pick is None or next(reads, None) is not None:
         return None
     n = len(args)
-    leading = [j for j, _ in taken] == list(range(n)) and [i for _, i in taken] == list(range(n))
+    leading = not sized and [j for j, _ in taken] == list(range(n)) and [
+        i for _, i in taken] == list(range(n))
     rest = tuple(template[n:])
 
     if leading:  # the call's tensors come first (dynamo orders the frame's locals first)
@@ -87,6 +99,8 @@ def plan(module: torch.nn.Module, args: tuple[Any, ...], probe: Any, result: Any
             inputs = template.copy()
             for j, i in taken:
                 inputs[j] = call[i]
+            for j, i, d in sized:
+                inputs[j] = call[i].size(d)
             return pick(graph(*inputs))
 
     return direct
