@@ -55,9 +55,11 @@ def _worker(cache_dir: Path, out: Path, cwd: Path | None = None) -> dict[str, An
 
 def test_seed_example_second_process_loads_without_dynamo_and_matches_eager(tmp_path: Path) -> None:
     first = _worker(tmp_path / "cache", tmp_path / "first.json")
+    # prompt and decode (the KV cache an argument) each call their graph through a plan
     assert first["cache"] == {"compiled": 2} and first["max_error"] == 0.0
+    assert first["plans"] == 2
     second = _worker(tmp_path / "cache", tmp_path / "second.json")
-    assert second["cache"] == {"loaded": 2}
+    assert second["cache"] == {"loaded": 2} and second["plans"] == 2
     assert second["unique_graphs"] == 0  # dynamo traced no frame
     assert second["aot"] == {}  # AOT autograd did not run (no cache lookup, no compile)
     assert second["captures"] >= 2  # device graphs captured again in this process
@@ -218,7 +220,9 @@ def test_two_working_directories_share_one_entry(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     first = _worker(cache, tmp_path / "first.json", cwd=tmp_path / "a")
+    # prompt and decode (the KV cache an argument) each call their graph through a plan
     assert first["cache"] == {"compiled": 2} and first["max_error"] == 0.0
+    assert first["plans"] == 2
     second = _worker(cache, tmp_path / "second.json", cwd=tmp_path / "b")
     assert second["cache"] == {"loaded": 2} and second["max_error"] == 0.0
     assert second["warnings"] == [] and second["unique_graphs"] == 0
@@ -457,6 +461,54 @@ def test_serving_path_follows_a_mutated_buffer_and_its_re_binding(
     twin.cache = torch.ones(8, 16)
     same(6)
     assert counters["npugraph_ex_cache"]["direct_plans"] == 2
+
+
+class KV:
+    """A request's cache, passed to each decode step (as transformers' StaticCache is)."""
+
+    def __init__(self) -> None:
+        self.k = torch.zeros(8, 16)
+
+
+class Decoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def step(self, x: torch.Tensor, kv: KV) -> torch.Tensor:
+        kv.k.mul_(0.5).add_(self.proj(x))
+        return kv.k * 2.0 + x
+
+
+@pytest.mark.parametrize("start", ["cold", "warm"])
+def test_serving_path_plan_fetches_a_cache_arguments_tensors_on_every_call(
+    tmp_path: Path, start: str
+) -> None:
+    """The plan takes a cache object's tensors from each call's argument (requests served in
+    turn, then a new one): each request's cache is updated as eager updates it."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = Decoder().eval()
+    twin = copy.deepcopy(model)
+    if start == "warm":
+        cache_compile(model.step, dynamic=False, cache_dir=tmp_path)(torch.randn(8, 16), KV())
+        counters.clear()
+    fn = cache_compile(model.step, dynamic=False, cache_dir=tmp_path)
+    ours, theirs = [KV(), KV()], [KV(), KV()]
+    for n in range(8):
+        if n == 6:
+            ours[0], theirs[0] = KV(), KV()  # a new request in place of the first
+        x = torch.randn(8, 16)
+        with torch.no_grad():
+            expected = twin.step(x, theirs[n % 2])
+        torch.testing.assert_close(fn(x, ours[n % 2]), expected, rtol=1e-5, atol=1e-6)
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a.k, b.k, rtol=1e-5, atol=1e-6)
+    assert counters["npugraph_ex_cache"]["direct_plans"] == 1
+    assert _captures() >= 2  # one capture per request's cache
 
 
 class SizeDependent(torch.nn.Module):

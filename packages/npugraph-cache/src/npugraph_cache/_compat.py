@@ -4,6 +4,7 @@ A torch upgrade is a change to this file only."""
 from __future__ import annotations
 
 import io
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -267,11 +268,23 @@ _MODULE_DICTS = frozenset({"_modules", "_parameters", "_buffers"})
 _TIMING = frozenset({"record_pregraph_bytecode_enter", "record_pregraph_bytecode_exit"})
 
 
-def _plain_fetch_and_call(fn: Any, backend_id: str) -> list[tuple[int, int]] | None:
-    """When the transformed bytecode only reads the graph's inputs (locals, module dicts,
-    subscripts, and a dynamic size as ``torch._dynamo.utils.call_size(local, dim)``), calls the
-    graph once (plus dynamo's timing helpers) and returns what it got: the sizes it reads, as
-    (position among the function's arguments, dim) in the order it reads them; else None."""
+_NULL: Any = object()  # the NULL the call protocol pushes beside a callable
+_UTILS: Any = object()  # torch._dynamo.utils
+_GRAPH: Any = object()  # the backend's compiled callable
+_OPAQUE: Any = object()  # a value the graph's inputs never come from
+_SKIP = frozenset({"RESUME", "NOP", "CACHE", "PRECALL", "EXTENDED_ARG"})
+_ALLOWED_ATTRS = _MODULE_DICTS | _TIMING | {"call_size"}
+
+
+def input_paths(fn: Any, backend_id: str) -> list[tuple[Any, ...]] | None:
+    """Where dynamo's transformed bytecode takes each input of the graph call, when it only
+    reads them (locals, attributes, constant subscripts, ``torch._dynamo.utils.call_size``),
+    calls the graph once (plus dynamo's timing helpers) and returns what it got; else None.
+
+    A path is ``(argument position, *steps)``, a step ``("a", name)`` (an attribute),
+    ``("i", key)`` (a subscript) or ``("size", dim)`` (last). Checked on torch 2.13.0 with
+    Python 3.11 (the call protocol's NULL beside or before the callable is accepted on either
+    side, as 3.11-3.13 place it); an instruction outside this small set gives None."""
     import dis
 
     import torch._dynamo.utils as dynamo_utils
@@ -280,55 +293,100 @@ def _plain_fetch_and_call(fn: Any, backend_id: str) -> list[tuple[int, int]] | N
     if fn.__closure__ or code.co_freevars or code.co_cellvars:
         return None
     positions = {name: i for i, name in enumerate(code.co_varnames[: code.co_argcount])}
-    aliases: dict[str, int] = {}  # a temporary holding an argument as it was loaded
-    sizes: list[tuple[int, int]] = []
-    pending: list[int | None] | None = None  # inside call_size(...): [argument, dim]
-    last_arg: int | None = None
-    calls = helpers = 0
-    for ins in dis.get_instructions(code):
-        op = ins.opname
-        if op in _SIDE_EFFECTS:
-            return None
-        if op == "LOAD_GLOBAL":
-            name = str(ins.argval)
-            if name != backend_id and fn.__globals__.get(name) is not dynamo_utils:
+    stack: list[Any] = []
+    local: dict[str, Any] = {}
+    inputs: list[tuple[Any, ...]] | None = None
+    try:
+        for ins in dis.get_instructions(code):
+            op, val = ins.opname, ins.argval
+            if op in _SIDE_EFFECTS:
                 return None
-        elif op in ("LOAD_ATTR", "LOAD_METHOD"):
-            if ins.argval in _TIMING:
-                helpers += 1
-            elif ins.argval == "call_size":
-                helpers += 1
-                pending = [None, None]
-            elif ins.argval not in _MODULE_DICTS:
-                return None
-        elif op == "LOAD_FAST":
-            last_arg = positions.get(str(ins.argval), aliases.get(str(ins.argval)))
-            if pending is not None and pending[0] is None:
-                if last_arg is None:
+            if op.startswith("CALL") and op != "CALL_INTRINSIC_1":
+                if inputs is not None:
+                    return None  # a call after the graph's: something else runs
+                if op not in ("CALL", "CALL_FUNCTION", "CALL_METHOD") or not isinstance(ins.arg, int):
                     return None
-                pending[0] = last_arg
-        elif op == "STORE_FAST":
-            name = str(ins.argval)
-            if name in positions:
-                return None  # an argument re-assigned: the positions would not hold
-            if last_arg is None:
-                aliases.pop(name, None)
+                n = ins.arg
+                args = stack[len(stack) - n:] if n else []
+                del stack[len(stack) - n:]
+                second, first = stack.pop(), stack.pop()
+                if (first is _NULL) == (second is _NULL):
+                    return None  # a method call on some object
+                target = second if first is _NULL else first
+                if target is _GRAPH:
+                    if inputs is not None or not all(type(x) is tuple for x in args):
+                        return None
+                    inputs = list(args)
+                    stack.append(_OPAQUE)
+                elif target == (_UTILS, "call_size"):
+                    if (len(args) != 2 or type(args[0]) is not tuple or type(args[1]) is not list
+                            or not isinstance(args[1][0], int)):
+                        return None
+                    stack.append((*args[0], ("size", args[1][0])))
+                elif type(target) is tuple and target[:1] == (_UTILS,):
+                    stack.append(_OPAQUE)  # a timing helper
+                else:
+                    return None
+            elif inputs is not None:
+                continue  # after the graph call: only building the result (no calls, no stores)
+            elif op in _SKIP:
+                continue
+            elif op == "PUSH_NULL":
+                stack.append(_NULL)
+            elif op == "LOAD_GLOBAL":
+                if ins.argrepr.startswith("NULL + ") and sys.version_info < (3, 13):
+                    stack.append(_NULL)
+                if val == backend_id:
+                    stack.append(_GRAPH)
+                elif fn.__globals__.get(val) is dynamo_utils:
+                    stack.append(_UTILS)
+                else:
+                    return None
+                if ins.argrepr.endswith(" + NULL") or (
+                        sys.version_info >= (3, 13) and ins.argrepr.startswith("NULL + ")):
+                    stack.append(_NULL)
+            elif op == "LOAD_FAST":
+                if val in positions:
+                    stack.append((positions[val],))
+                else:
+                    stack.append(local[val])
+            elif op == "STORE_FAST":
+                if val in positions:
+                    return None
+                local[val] = stack.pop()
+            elif op == "DELETE_FAST":
+                local.pop(val, None)
+            elif op == "LOAD_CONST":
+                stack.append([val])  # a list: never mistaken for a path
+            elif op in ("LOAD_ATTR", "LOAD_METHOD"):
+                x = stack.pop()
+                if x is _UTILS:
+                    if val not in _ALLOWED_ATTRS - _MODULE_DICTS:
+                        return None
+                    value: Any = (_UTILS, val)
+                elif type(x) is tuple and x[:1] != (_UTILS,):
+                    value = (*x, ("a", val))
+                else:
+                    return None
+                if op == "LOAD_METHOD" or "NULL|self + " in ins.argrepr:
+                    stack.append(_NULL)
+                stack.append(value)
+            elif op == "BINARY_SUBSCR":
+                key, x = stack.pop(), stack.pop()
+                if type(key) is not list or type(x) is not tuple or x[:1] == (_UTILS,):
+                    return None
+                stack.append((*x, ("i", key[0])))
+            elif op == "COPY":
+                stack.append(stack[-int(val)])
+            elif op == "SWAP":
+                stack[-1], stack[-int(val)] = stack[-int(val)], stack[-1]
+            elif op == "POP_TOP":
+                stack.pop()
             else:
-                aliases[name] = last_arg
-        elif op == "LOAD_CONST" and pending is not None and pending[0] is not None:
-            if not isinstance(ins.argval, int) or pending[1] is not None:
                 return None
-            pending[1] = ins.argval
-        elif op.startswith("CALL") and op != "CALL_INTRINSIC_1":
-            calls += 1
-            if pending is not None:
-                if pending[0] is None or pending[1] is None:
-                    return None
-                sizes.append((pending[0], pending[1]))
-                pending = None
-        if op not in ("LOAD_FAST", "COPY", "STORE_FAST"):
-            last_arg = None
-    return sizes if calls == helpers + 1 and pending is None else None
+    except (IndexError, KeyError, TypeError, ValueError):
+        return None
+    return inputs
 
 
 def probe_call(compiled: Any, args: tuple[Any, ...]) -> tuple[Any, Any]:
@@ -349,8 +407,8 @@ def probe_call(compiled: Any, args: tuple[Any, ...]) -> tuple[Any, Any]:
     if (not isinstance(fn, types.FunctionType) or not isinstance(backend_id, str)
             or not isinstance(f_globals, dict) or backend_id not in f_globals):
         return compiled(*args), None
-    sizes = _plain_fetch_and_call(fn, backend_id)
-    if sizes is None:
+    paths = input_paths(fn, backend_id)
+    if paths is None:
         return compiled(*args), None
     graph = f_globals[backend_id]
     seen: list[tuple[tuple[Any, ...], Any]] = []
@@ -365,4 +423,7 @@ def probe_call(compiled: Any, args: tuple[Any, ...]) -> tuple[Any, Any]:
     result = probe(*args)
     if len(seen) != 1:
         return result, None
-    return result, (graph, *seen[0], sizes)
+    flat, out = seen[0]
+    if len(flat) != len(paths):
+        return result, None
+    return result, (graph, flat, out, paths)

@@ -2,9 +2,10 @@
 graph with a flat-argument plan instead of running dynamo's transformed bytecode, which fetches
 every parameter through the module's attribute dicts on each call (~7 µs for 100 parameters).
 
-A plan is made from one probed call (``_compat.probe_call``): each graph input is either one of
-the call's own tensors (taken from the call) or a parameter or buffer of the module (held by the
-plan). It is used only while no parameter, buffer or submodule has been assigned anywhere since
+A plan is made from one probed call (``_compat.probe_call``), which says where the bytecode takes
+each graph input: from the call's arguments (a tensor, an attribute or item of one such as a KV
+cache object's tensors, or a dynamic size; fetched again on every call) or from the module's
+parameter, buffer and submodule dicts (held by the plan). It is used only while no parameter, buffer or submodule has been assigned anywhere since
 (``registrations``: torch's global registration hooks count every ``setattr`` of one, a
 ``register_*`` call, ``load_state_dict(assign=True)``); after one, the next call runs the bytecode
 again and makes a new plan. A ``.data`` swap keeps the object and is the compiler's to see (the
@@ -12,7 +13,7 @@ npugraph_ex capture manager checks every parameter's address on each call)."""
 
 from __future__ import annotations
 
-import itertools
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -54,56 +55,81 @@ def _install() -> bool:
 
 def plan(module: torch.nn.Module, args: tuple[Any, ...], probe: Any, result: Any) -> Direct | None:
     """``args -> result`` for later calls of the probed entry, or None when the probed call does
-    not fit a plan: a graph input that is neither exactly one of ``args``, a tensor of
-    ``module``, nor a dynamic size the bytecode reads from one of ``args`` (a global, an alias of
-    both), or a result that is not the graph's output, one of its items, or a tuple of them."""
+    not fit a plan: a graph input read from the module other than through its parameter, buffer
+    and submodule dicts, one that the probe did not find where its path says, or a result that
+    is not the graph's output, one of its items, or a tuple of them."""
     if probe is None or not _install():
         return None
-    graph, flat, out, sizes = probe
-    own = {id(t) for _, t in itertools.chain(module.named_parameters(remove_duplicate=False),
-                                             module.named_buffers(remove_duplicate=False))}
+    graph, flat, out, paths = probe
     template = list(flat)
-    taken: list[tuple[int, int]] = []  # (graph input, call argument)
-    sized: list[tuple[int, int, int]] = []  # (graph input, call argument, dim): a dynamic size
-    reads = iter(sizes)
-    for j, x in enumerate(flat):
-        if type(x) is int:
-            # the bytecode's next call_size(argument, dim); positions count the module first
-            at, dim = next(reads, (0, 0))
-            arg = args[at - 1] if 0 < at <= len(args) else None
-            if not isinstance(arg, torch.Tensor) or not -arg.dim() <= dim < arg.dim() or (
-                    arg.size(dim) != x):
+    fetched: list[tuple[int, Callable[[tuple[Any, ...]], Any]]] = []  # (graph input, getter)
+    for j, (x, path) in enumerate(zip(flat, paths, strict=True)):
+        at, steps = path[0], path[1:]
+        if at == 0:  # the module's own tensors: held, re-planned after any assignment
+            if not isinstance(x, torch.Tensor) or not all(
+                    s in _MODULE_STEPS or (s[0] == "i" and type(s[1]) is str) for s in steps):
                 return None
-            sized.append((j, at - 1, dim))
             continue
-        if not isinstance(x, torch.Tensor):
+        get = _getter(at - 1, steps)
+        if get is None:
             return None
-        hits = [i for i, a in enumerate(args) if a is x]
-        if len(hits) > 1 or (hits and id(x) in own) or (not hits and id(x) not in own):
+        try:
+            again = get(args)
+        except Exception:
             return None
-        if hits:
-            taken.append((j, hits[0]))
+        if not (again is x or (type(x) is int and type(again) is int and again == x)):
+            return None
+        fetched.append((j, get))
     pick = _output_picker(out, result)
-    if pick is None or next(reads, None) is not None:
+    if pick is None:
         return None
     n = len(args)
-    leading = not sized and [j for j, _ in taken] == list(range(n)) and [
-        i for _, i in taken] == list(range(n))
-    rest = tuple(template[n:])
+    if [j for j, _ in fetched] == list(range(n)) and all(
+            paths[j] == (j + 1,) for j in range(n)):
+        rest = tuple(template[n:])
 
-    if leading:  # the call's tensors come first (dynamo orders the frame's locals first)
-        def direct(call: tuple[Any, ...]) -> Any:
+        def leading(call: tuple[Any, ...]) -> Any:  # the call's own tensors first, as dynamo orders
             return pick(graph(*call, *rest))
-    else:
-        def direct(call: tuple[Any, ...]) -> Any:
-            inputs = template.copy()
-            for j, i in taken:
-                inputs[j] = call[i]
-            for j, i, d in sized:
-                inputs[j] = call[i].size(d)
-            return pick(graph(*inputs))
+
+        return leading
+
+    def direct(call: tuple[Any, ...]) -> Any:
+        inputs = template.copy()
+        for j, get in fetched:
+            inputs[j] = get(call)
+        return pick(graph(*inputs))
 
     return direct
+
+
+_MODULE_STEPS = frozenset({("a", "_modules"), ("a", "_parameters"), ("a", "_buffers")})
+
+
+def _getter(i: int, steps: tuple[Any, ...]) -> Callable[[tuple[Any, ...]], Any] | None:
+    """The value at ``args[i]`` followed by ``steps`` (attributes, subscripts, a size)."""
+    if not steps:
+        return operator.itemgetter(i)
+    if steps[-1][0] == "size":
+        dim, inner = steps[-1][1], _getter(i, steps[:-1])
+        if inner is None:
+            return None
+        return lambda call: inner(call).size(dim)  # type: ignore[misc]
+    chain: list[Callable[[Any], Any]] = []
+    for kind, name in steps:
+        if kind == "a" and type(name) is str:
+            chain.append(operator.attrgetter(name))
+        elif kind == "i":
+            chain.append(operator.itemgetter(name))
+        else:
+            return None
+
+    def get(call: tuple[Any, ...]) -> Any:
+        value = call[i]
+        for step in chain:
+            value = step(value)
+        return value
+
+    return get
 
 
 def _output_picker(out: Any, result: Any) -> Callable[[Any], Any] | None:
