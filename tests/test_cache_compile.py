@@ -470,7 +470,7 @@ class KV:
         self.k = torch.zeros(8, 16)
 
 
-class Decoder(torch.nn.Module):
+class TakesCache(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.proj = torch.nn.Linear(16, 16)
@@ -491,7 +491,7 @@ def test_serving_path_plan_fetches_a_cache_arguments_tensors_on_every_call(
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
-    model = Decoder().eval()
+    model = TakesCache().eval()
     twin = copy.deepcopy(model)
     if start == "warm":
         cache_compile(model.step, dynamic=False, cache_dir=tmp_path)(torch.randn(8, 16), KV())
