@@ -511,6 +511,40 @@ def test_serving_path_plan_fetches_a_cache_arguments_tensors_on_every_call(
     assert _captures() >= 2  # one capture per request's cache
 
 
+class Slices(torch.nn.Module):
+    """Slices its ModuleList inside the traced code, as transformers' models do: the slice
+    builds a ModuleList, which runs torch's module registration hooks while dynamo traces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[:2]:
+            x = torch.relu(layer(x))
+        return x
+
+
+def test_the_plans_registration_count_is_no_side_effect_of_traced_code(tmp_path: Path) -> None:
+    """The registration hook the plans use is a no-op while dynamo traces: a graph that builds
+    modules still gets a plan, and torch.compile does not recompile on every call."""
+    from torch._dynamo.utils import counters
+
+    model, other = Slices().eval(), Slices().eval()
+    fn = cache_compile(model.step, dynamic=False, cache_dir=tmp_path)
+    compiled = torch.compile(other.step, backend="npugraph_ex", dynamic=False)
+    xs = [torch.randn(8, 16) for _ in range(5)]
+    with torch.no_grad():  # eager first: its slicing builds modules, which a plan counts
+        expected = [(model.step(x), other.step(x)) for x in xs]
+        for x, (want, other_want) in zip(xs, expected, strict=True):
+            torch.testing.assert_close(fn(x), want)
+            torch.testing.assert_close(compiled(x), other_want)
+    assert _captures() >= 2
+    assert counters["npugraph_ex_cache"]["direct_plans"] == 1
+    assert counters["npugraph_ex_cache"]["compiled"] == 1
+    assert counters["frames"]["total"] == 2  # one frame each, never recompiled
+
+
 class SizeDependent(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

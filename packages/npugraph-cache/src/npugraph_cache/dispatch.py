@@ -28,6 +28,11 @@ _installed = False
 
 
 def _bump(*_: object) -> None:
+    # Code that dynamo traces may build modules (ModuleList slicing, as transformers' models
+    # do): traced, this count would be a side effect and a guard, recompiling every call.
+    # Inside a compiled region nothing is assigned at run time, so it counts nothing there.
+    if torch.compiler.is_compiling():
+        return
     _count[0] += 1
 
 
