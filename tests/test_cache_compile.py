@@ -539,10 +539,9 @@ def test_the_plans_registration_count_is_no_side_effect_of_traced_code(tmp_path:
         for x, (want, other_want) in zip(xs, expected, strict=True):
             torch.testing.assert_close(fn(x), want)
             torch.testing.assert_close(compiled(x), other_want)
-    assert _captures() >= 2
     assert counters["npugraph_ex_cache"]["direct_plans"] == 1
     assert counters["npugraph_ex_cache"]["compiled"] == 1
-    assert counters["frames"]["total"] == 2  # one frame each, never recompiled
+    assert _captures() == 2  # one graph each, never recompiled (a recompile captures anew)
 
 
 class SizeDependent(torch.nn.Module):
