@@ -55,9 +55,11 @@ def _worker(cache_dir: Path, out: Path, cwd: Path | None = None) -> dict[str, An
 
 def test_seed_example_second_process_loads_without_dynamo_and_matches_eager(tmp_path: Path) -> None:
     first = _worker(tmp_path / "cache", tmp_path / "first.json")
+    # prompt and decode (the KV cache an argument) each call their graph through a plan
     assert first["cache"] == {"compiled": 2} and first["max_error"] == 0.0
+    assert first["plans"] == 2
     second = _worker(tmp_path / "cache", tmp_path / "second.json")
-    assert second["cache"] == {"loaded": 2}
+    assert second["cache"] == {"loaded": 2} and second["plans"] == 2
     assert second["unique_graphs"] == 0  # dynamo traced no frame
     assert second["aot"] == {}  # AOT autograd did not run (no cache lookup, no compile)
     assert second["captures"] >= 2  # device graphs captured again in this process
@@ -218,7 +220,9 @@ def test_two_working_directories_share_one_entry(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     first = _worker(cache, tmp_path / "first.json", cwd=tmp_path / "a")
+    # prompt and decode (the KV cache an argument) each call their graph through a plan
     assert first["cache"] == {"compiled": 2} and first["max_error"] == 0.0
+    assert first["plans"] == 2
     second = _worker(cache, tmp_path / "second.json", cwd=tmp_path / "b")
     assert second["cache"] == {"loaded": 2} and second["max_error"] == 0.0
     assert second["warnings"] == [] and second["unique_graphs"] == 0
@@ -373,7 +377,9 @@ def test_serving_path_catches_every_change_that_would_make_a_replay_wrong(
     tmp_path: Path, start: str
 ) -> None:
     """cache_compile keeps no per-call guard on parameters (the capture manager checks their
-    addresses): each change below still gives a result equal to eager, over >= 5 calls."""
+    addresses) and, once an entry's guards pass, calls its graph through a flat-argument plan
+    (no dynamo bytecode): each change below still gives a result equal to eager, over >= 5
+    calls, and the re-bound parameter makes a new plan."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
@@ -385,6 +391,7 @@ def test_serving_path_catches_every_change_that_would_make_a_replay_wrong(
     _matches_eager(fn, model, _served_inputs(5))
     assert counters["npugraph_ex_cache"]["loaded" if start == "warm" else "compiled"] == 1
     assert _captures() >= 1
+    assert counters["npugraph_ex_cache"]["direct_plans"] == 1  # calls 2-5 took the plan
     # user-input shape and dtype: the kept guards reject the entry, another one is compiled
     _matches_eager(fn, model, _served_inputs(5, shape=(6, 16)))
     model.double()
@@ -399,14 +406,223 @@ def test_serving_path_catches_every_change_that_would_make_a_replay_wrong(
     _matches_eager(fn, model, calls[1:])
     torch.testing.assert_close(kept, kept_expected, rtol=1e-5, atol=1e-6)
     # a re-bound parameter (no frozen_parameter): a capture of its own, the new weight used
-    before = _captures()
+    # (setattr makes the plan stale: the next call runs dynamo's bytecode and plans again)
+    before, plans = _captures(), counters["npugraph_ex_cache"]["direct_plans"]
     model.layers[1].weight = torch.nn.Parameter(torch.randn(16, 16), requires_grad=False)
     _matches_eager(fn, model, _served_inputs(5))
-    model.layers[2].bias.data = torch.randn(16)  # same Parameter, new storage
+    assert counters["npugraph_ex_cache"]["direct_plans"] == plans + 1
+    model.layers[2].bias.data = torch.randn(16)  # same Parameter, new storage: same plan
     _matches_eager(fn, model, _served_inputs(5))
     assert _captures() >= before + 2
+    assert counters["npugraph_ex_cache"]["direct_plans"] == plans + 1
+    # a re-bound submodule
+    model.layers[0] = torch.nn.Linear(16, 16)
+    _matches_eager(fn, model, _served_inputs(5))
+    assert counters["npugraph_ex_cache"]["direct_plans"] == plans + 2
     # no recompile for either
     assert counters["npugraph_ex_cache"]["compiled"] == (2 if start == "warm" else 3)
+
+
+class Cached(torch.nn.Module):
+    """A decode step that updates a buffer in place (a KV cache's shape of problem)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.register_buffer("cache", torch.zeros(8, 16))
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        self.cache.mul_(0.5).add_(self.proj(x))
+        return self.cache * 2.0 + x
+
+
+@pytest.mark.parametrize("start", ["cold", "warm"])
+def test_serving_path_follows_a_mutated_buffer_and_its_re_binding(
+    tmp_path: Path, start: str
+) -> None:
+    """The plan calls AOT's wrapper, which applies the in-place update; a buffer re-bound by
+    setattr (a new cache) is planned again. Compared with an eager twin over >= 5 calls."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = Cached().eval()
+    twin = copy.deepcopy(model)
+    if start == "warm":
+        warm_up = copy.deepcopy(model)
+        cache_compile(warm_up.step, dynamic=False, cache_dir=tmp_path)(torch.randn(8, 16))
+        counters.clear()
+    fn = cache_compile(model.step, dynamic=False, cache_dir=tmp_path)
+
+    def same(n: int) -> None:
+        for _ in range(n):
+            x = torch.randn(8, 16)
+            with torch.no_grad():
+                expected = twin.step(x)
+            torch.testing.assert_close(fn(x), expected, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(model.cache, twin.cache, rtol=1e-5, atol=1e-6)
+
+    same(6)
+    assert _captures() >= 1
+    assert counters["npugraph_ex_cache"]["direct_plans"] == 1
+    model.cache = torch.ones(8, 16)
+    twin.cache = torch.ones(8, 16)
+    same(6)
+    assert counters["npugraph_ex_cache"]["direct_plans"] == 2
+
+
+class KV:
+    """A request's cache, passed to each decode step (as transformers' StaticCache is)."""
+
+    def __init__(self) -> None:
+        self.k = torch.zeros(8, 16)
+
+
+class TakesCache(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def step(self, x: torch.Tensor, kv: KV) -> torch.Tensor:
+        kv.k.mul_(0.5).add_(self.proj(x))
+        return kv.k * 2.0 + x
+
+
+@pytest.mark.parametrize("start", ["cold", "warm"])
+def test_serving_path_plan_fetches_a_cache_arguments_tensors_on_every_call(
+    tmp_path: Path, start: str
+) -> None:
+    """The plan takes a cache object's tensors from each call's argument (requests served in
+    turn, then a new one): each request's cache is updated as eager updates it."""
+    import copy
+
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = TakesCache().eval()
+    twin = copy.deepcopy(model)
+    if start == "warm":
+        cache_compile(model.step, dynamic=False, cache_dir=tmp_path)(torch.randn(8, 16), KV())
+        counters.clear()
+    fn = cache_compile(model.step, dynamic=False, cache_dir=tmp_path)
+    ours, theirs = [KV(), KV()], [KV(), KV()]
+    for n in range(8):
+        if n == 6:
+            ours[0], theirs[0] = KV(), KV()  # a new request in place of the first
+        x = torch.randn(8, 16)
+        with torch.no_grad():
+            expected = twin.step(x, theirs[n % 2])
+        torch.testing.assert_close(fn(x, ours[n % 2]), expected, rtol=1e-5, atol=1e-6)
+        for a, b in zip(ours, theirs, strict=True):
+            torch.testing.assert_close(a.k, b.k, rtol=1e-5, atol=1e-6)
+    assert counters["npugraph_ex_cache"]["direct_plans"] == 1
+    assert _captures() >= 2  # one capture per request's cache
+
+
+class Slices(torch.nn.Module):
+    """Slices its ModuleList inside the traced code, as transformers' models do: the slice
+    builds a ModuleList, which runs torch's module registration hooks while dynamo traces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers[:2]:
+            x = torch.relu(layer(x))
+        return x
+
+
+def test_the_plans_registration_count_is_no_side_effect_of_traced_code(tmp_path: Path) -> None:
+    """The registration hook the plans use is a no-op while dynamo traces: a graph that builds
+    modules still gets a plan, and torch.compile does not recompile on every call."""
+    from torch._dynamo.utils import counters
+
+    model, other = Slices().eval(), Slices().eval()
+    fn = cache_compile(model.step, dynamic=False, cache_dir=tmp_path)
+    compiled = torch.compile(other.step, backend="npugraph_ex", dynamic=False)
+    xs = [torch.randn(8, 16) for _ in range(5)]
+    with torch.no_grad():  # eager first: its slicing builds modules, which a plan counts
+        expected = [(model.step(x), other.step(x)) for x in xs]
+        for x, (want, other_want) in zip(xs, expected, strict=True):
+            torch.testing.assert_close(fn(x), want)
+            torch.testing.assert_close(compiled(x), other_want)
+    assert counters["npugraph_ex_cache"]["direct_plans"] == 1
+    assert counters["npugraph_ex_cache"]["compiled"] == 1
+    assert _captures() == 2  # one graph each, never recompiled (a recompile captures anew)
+
+
+class SizeDependent(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def step(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.proj(a * b + a.shape[0])).reshape(-1)
+
+
+@pytest.mark.parametrize("start", ["cold", "warm"])
+def test_serving_path_plans_a_dynamic_graph_with_the_sizes_of_each_call(
+    tmp_path: Path, start: str
+) -> None:
+    """dynamic=True: the graph takes the batch size as an input, read by dynamo's bytecode from
+    a call argument; the plan reads it from each call, so every batch size replays its own
+    capture of the one entry, equal to eager."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = SizeDependent().eval()
+    if start == "warm":
+        cache_compile(model.step, cache_dir=tmp_path)(torch.randn(8, 16), torch.randn(8, 16))
+        counters.clear()
+    fn = cache_compile(model.step, cache_dir=tmp_path)
+    for n in (8, 8, 4, 4, 8, 3, 3, 5, 5, 8):
+        a, b = torch.randn(n, 16), torch.randn(n, 16)
+        with torch.no_grad():
+            expected = model.step(a, b)
+        torch.testing.assert_close(fn(a, b), expected)
+    assert counters["npugraph_ex_cache"]["loaded" if start == "warm" else "compiled"] == 1
+    assert counters["npugraph_ex_cache"]["direct_plans"] == 1
+    assert _captures() == 4  # batch sizes 8, 4, 3, 5
+
+
+_OFFSET = torch.ones(16)
+
+
+class ReadsGlobal(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) + _OFFSET
+
+
+def test_serving_path_keeps_dynamos_bytecode_for_a_graph_that_reads_a_global(
+    tmp_path: Path,
+) -> None:
+    """A graph input that is neither a call argument nor the module's own tensor (here a module
+    global) gets no plan: such a graph keeps dynamo's bytecode, equal to eager. (Re-binding the
+    global is not seen on either path: the loaded function holds the globals it was made with,
+    see the README's serving-path paragraph.)"""
+    from torch._dynamo.utils import counters
+
+    model = ReadsGlobal().eval()
+    fn = cache_compile(model.step, dynamic=False, cache_dir=tmp_path)
+    for _ in range(5):
+        x = torch.randn(8, 16)
+        with torch.no_grad():
+            torch.testing.assert_close(fn(x), model.step(x))
+    assert counters["npugraph_ex_cache"]["direct_plans"] == 0
+    assert _captures() >= 1
+
+
+def test_direct_dispatch_must_be_a_bool(tmp_path: Path) -> None:
+    from npugraph_cache import CacheArgumentError
+
+    with pytest.raises(CacheArgumentError, match="direct_dispatch must be True or False"):
+        cache_compile(Served().step, cache_dir=tmp_path, direct_dispatch=1)
 
 
 @pytest.mark.parametrize("start", ["cold", "warm"])

@@ -4,6 +4,7 @@ A torch upgrade is a change to this file only."""
 from __future__ import annotations
 
 import io
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -250,3 +251,179 @@ def is_seeded_op(target: object) -> bool:
             for name in target.overloads()  # type: ignore[no-untyped-call]
         )
     return False
+
+
+# --- dispatch.py: the backend's graph called without dynamo's transformed bytecode -------------
+# What dynamo's bytecode may do besides fetching the graph's inputs and calling it: a store, a
+# delete or an import is a side effect that a direct call would skip.
+_SIDE_EFFECTS = frozenset({
+    "STORE_ATTR", "STORE_SUBSCR", "STORE_GLOBAL", "STORE_DEREF", "STORE_NAME", "STORE_SLICE",
+    "DELETE_ATTR", "DELETE_SUBSCR", "DELETE_GLOBAL", "DELETE_DEREF", "DELETE_NAME",
+    "IMPORT_NAME", "IMPORT_FROM", "LOAD_DEREF", "LOAD_CLOSURE", "LOAD_NAME", "MAKE_FUNCTION",
+    "YIELD_VALUE", "SETUP_WITH", "BEFORE_WITH", "RAISE_VARARGS", "LOAD_BUILD_CLASS",
+})
+# attributes the bytecode may read: a module's own dicts (the graph's parameters, buffers and
+# submodules) and dynamo's bytecode-timing helpers (no effect on values)
+_MODULE_DICTS = frozenset({"_modules", "_parameters", "_buffers"})
+_TIMING = frozenset({"record_pregraph_bytecode_enter", "record_pregraph_bytecode_exit"})
+
+
+_NULL: Any = object()  # the NULL the call protocol pushes beside a callable
+_UTILS: Any = object()  # torch._dynamo.utils
+_GRAPH: Any = object()  # the backend's compiled callable
+_OPAQUE: Any = object()  # a value the graph's inputs never come from
+_SKIP = frozenset({"RESUME", "NOP", "CACHE", "PRECALL", "EXTENDED_ARG"})
+_ALLOWED_ATTRS = _MODULE_DICTS | _TIMING | {"call_size"}
+
+
+def input_paths(fn: Any, backend_id: str) -> list[tuple[Any, ...]] | None:
+    """Where dynamo's transformed bytecode takes each input of the graph call, when it only
+    reads them (locals, attributes, constant subscripts, ``torch._dynamo.utils.call_size``),
+    calls the graph once (plus dynamo's timing helpers) and returns what it got; else None.
+
+    A path is ``(argument position, *steps)``, a step ``("a", name)`` (an attribute),
+    ``("i", key)`` (a subscript) or ``("size", dim)`` (last). Checked on torch 2.13.0 with
+    Python 3.11 (the call protocol's NULL beside or before the callable is accepted on either
+    side, as 3.11-3.13 place it); an instruction outside this small set gives None."""
+    import dis
+
+    import torch._dynamo.utils as dynamo_utils
+
+    code = fn.__code__
+    if fn.__closure__ or code.co_freevars or code.co_cellvars:
+        return None
+    positions = {name: i for i, name in enumerate(code.co_varnames[: code.co_argcount])}
+    stack: list[Any] = []
+    local: dict[str, Any] = {}
+    inputs: list[tuple[Any, ...]] | None = None
+    try:
+        for ins in dis.get_instructions(code):
+            op, val = ins.opname, ins.argval
+            if op in _SIDE_EFFECTS:
+                return None
+            if op.startswith("CALL") and op != "CALL_INTRINSIC_1":
+                if inputs is not None:
+                    return None  # a call after the graph's: something else runs
+                if op not in ("CALL", "CALL_FUNCTION", "CALL_METHOD") or not isinstance(ins.arg, int):
+                    return None
+                n = ins.arg
+                args = stack[len(stack) - n:] if n else []
+                del stack[len(stack) - n:]
+                second, first = stack.pop(), stack.pop()
+                if (first is _NULL) == (second is _NULL):
+                    return None  # a method call on some object
+                target = second if first is _NULL else first
+                if target is _GRAPH:
+                    if inputs is not None or not all(type(x) is tuple for x in args):
+                        return None
+                    inputs = list(args)
+                    stack.append(_OPAQUE)
+                elif target == (_UTILS, "call_size"):
+                    if (len(args) != 2 or type(args[0]) is not tuple or type(args[1]) is not list
+                            or not isinstance(args[1][0], int)):
+                        return None
+                    stack.append((*args[0], ("size", args[1][0])))
+                elif type(target) is tuple and target[:1] == (_UTILS,):
+                    stack.append(_OPAQUE)  # a timing helper
+                else:
+                    return None
+            elif inputs is not None:
+                continue  # after the graph call: only building the result (no calls, no stores)
+            elif op in _SKIP:
+                continue
+            elif op == "PUSH_NULL":
+                stack.append(_NULL)
+            elif op == "LOAD_GLOBAL":
+                if ins.argrepr.startswith("NULL + ") and sys.version_info < (3, 13):
+                    stack.append(_NULL)
+                if val == backend_id:
+                    stack.append(_GRAPH)
+                elif fn.__globals__.get(val) is dynamo_utils:
+                    stack.append(_UTILS)
+                else:
+                    return None
+                if ins.argrepr.endswith(" + NULL") or (
+                        sys.version_info >= (3, 13) and ins.argrepr.startswith("NULL + ")):
+                    stack.append(_NULL)
+            elif op == "LOAD_FAST":
+                if val in positions:
+                    stack.append((positions[val],))
+                else:
+                    stack.append(local[val])
+            elif op == "STORE_FAST":
+                if val in positions:
+                    return None
+                local[val] = stack.pop()
+            elif op == "DELETE_FAST":
+                local.pop(val, None)
+            elif op == "LOAD_CONST":
+                stack.append([val])  # a list: never mistaken for a path
+            elif op in ("LOAD_ATTR", "LOAD_METHOD"):
+                x = stack.pop()
+                if x is _UTILS:
+                    if val not in _ALLOWED_ATTRS - _MODULE_DICTS:
+                        return None
+                    value: Any = (_UTILS, val)
+                elif type(x) is tuple and x[:1] != (_UTILS,):
+                    value = (*x, ("a", val))
+                else:
+                    return None
+                if op == "LOAD_METHOD" or "NULL|self + " in ins.argrepr:
+                    stack.append(_NULL)
+                stack.append(value)
+            elif op == "BINARY_SUBSCR":
+                key, x = stack.pop(), stack.pop()
+                if type(key) is not list or type(x) is not tuple or x[:1] == (_UTILS,):
+                    return None
+                stack.append((*x, ("i", key[0])))
+            elif op == "COPY":
+                stack.append(stack[-int(val)])
+            elif op == "SWAP":
+                stack[-1], stack[-int(val)] = stack[-int(val)], stack[-1]
+            elif op == "POP_TOP":
+                stack.pop()
+            else:
+                return None
+    except (IndexError, KeyError, TypeError, ValueError):
+        return None
+    return inputs
+
+
+def probe_call(compiled: Any, args: tuple[Any, ...]) -> tuple[Any, Any]:
+    """Call ``compiled`` (guards already checked) positionally and return ``(result, probe)``;
+    ``probe`` is ``(graph, flat_inputs, graph_output)`` when dynamo's bytecode for it does
+    nothing but fetch the graph's inputs and call ``graph(*flat_inputs)`` once, else None.
+
+    Checked on torch 2.13.0: ``AOTCompiledFunction.fn`` is a function of the transformed
+    bytecode whose globals map ``_artifacts.backend_id`` to the backend's compiled callable
+    (``CompileArtifacts.runtime_env.forward_callable``). The call here runs that bytecode with
+    the callable wrapped to record its inputs and output. Another torch (an attribute missing,
+    another layout) gets a plain call and no probe."""
+    import types
+
+    fn = getattr(compiled, "fn", None)
+    backend_id = getattr(getattr(compiled, "_artifacts", None), "backend_id", None)
+    f_globals = getattr(fn, "__globals__", None)
+    if (not isinstance(fn, types.FunctionType) or not isinstance(backend_id, str)
+            or not isinstance(f_globals, dict) or backend_id not in f_globals):
+        return compiled(*args), None
+    paths = input_paths(fn, backend_id)
+    if paths is None:
+        return compiled(*args), None
+    graph = f_globals[backend_id]
+    seen: list[tuple[tuple[Any, ...], Any]] = []
+
+    def recording(*flat: Any) -> Any:
+        out = graph(*flat)
+        seen.append((flat, out))
+        return out
+
+    probe = types.FunctionType(fn.__code__, {**f_globals, backend_id: recording}, fn.__name__,
+                               fn.__defaults__, fn.__closure__)
+    result = probe(*args)
+    if len(seen) != 1:
+        return result, None
+    flat, out = seen[0]
+    if len(flat) != len(paths):
+        return result, None
+    return result, (graph, flat, out, paths)

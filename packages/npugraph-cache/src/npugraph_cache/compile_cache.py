@@ -21,6 +21,7 @@ import torch
 
 from npugraph_cache import _compat
 from npugraph_cache.__about__ import __version__
+from npugraph_cache.dispatch import Direct, plan, registrations
 from npugraph_cache.entries import EntryReader, bump
 from npugraph_cache.errors import (
     CacheArgumentError,
@@ -112,6 +113,25 @@ def _detached(qualname: str) -> Callable[..., Any]:
     return detached
 
 
+class _Entry:
+    """One entry in use: what selects it for a call (value signature, value guards, kept
+    guards), the compiled function, and its direct-dispatch plan (None: through dynamo's
+    bytecode) with the registration count it was made at."""
+
+    __slots__ = ("compiled", "direct", "guards_pass", "registrations", "signature", "values_match")
+
+    def __init__(
+        self, signature: tuple[Any, ...], compiled: Any, values_match: Callable[[], bool],
+        guards_pass: Callable[[tuple[Any, ...], dict[str, Any]], bool],
+    ) -> None:
+        self.signature = signature
+        self.compiled = compiled
+        self.values_match = values_match
+        self.guards_pass = guards_pass
+        self.direct: Direct | None = None
+        self.registrations = -1
+
+
 class CacheCompiledFunction:
     """The callable cache_compile returns. Calls run under ``torch.no_grad()`` (inference only).
 
@@ -131,6 +151,7 @@ class CacheCompiledFunction:
         key_extra: Mapping[str, Any] | None,
         entry_data: EntryData | None = None,
         parameter_guards: bool = True,
+        direct_dispatch: bool = True,
     ) -> None:
         self._method = func
         self._module: torch.nn.Module = func.__self__  # type: ignore[attr-defined]
@@ -145,17 +166,10 @@ class CacheCompiledFunction:
         self.key_extra = dict(key_extra or {})
         self.entry_data = entry_data
         self.parameter_guards = parameter_guards
+        self.direct_dispatch = direct_dispatch
         # (path, metadata, payload) of an entry written before its first call
         self._unfinished: tuple[Path, dict[str, Any], bytes] | None = None
-        # (value signature, compiled, its value guards, its kept guards) per entry in use
-        self._entries: list[
-            tuple[
-                tuple[Any, ...],
-                Any,
-                Callable[[], bool],
-                Callable[[tuple[Any, ...], dict[str, Any]], bool],
-            ]
-        ] = []
+        self._entries: list[_Entry] = []
         self._self_name: str = self._function.__code__.co_varnames[0]
         self.entry_paths: list[Path] = []
         self.__wrapped__ = func
@@ -179,18 +193,38 @@ class CacheCompiledFunction:
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         call_args = (self._module, *args)
         signature = value_signature(args, kwargs, self.dynamic)
-        for entry_signature, compiled, values_match, guards_pass in self._entries:
-            if entry_signature == signature and values_match() and guards_pass(call_args, kwargs):
-                return compiled(*call_args, **kwargs)
+        for entry in self._entries:
+            if (entry.signature == signature and entry.values_match()
+                    and entry.guards_pass(call_args, kwargs)):
+                direct = entry.direct
+                if direct is not None and entry.registrations == registrations() and not kwargs:
+                    return direct(args)
+                return self._call_planning(entry, args, call_args, kwargs)
         compiled, guards, loaded = self._obtain(args, kwargs)
         check = guards.checker(self._function.__globals__, self._module)
-        self._entries.append((signature, compiled, check, _compat.guard_checker(compiled)))
+        self._entries.append(_Entry(signature, compiled, check, _compat.guard_checker(compiled)))
         if loaded:
             with _compat.without_first_call_alias_check():
                 return compiled(*call_args, **kwargs)
         out = compiled(*call_args, **kwargs)
         self._finish_entry()
         return out
+
+    def _call_planning(
+        self, entry: _Entry, args: tuple[Any, ...], call_args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> Any:
+        """A call through dynamo's bytecode that, where the entry allows it, also makes the plan
+        later calls take (dispatch.py). Runs on an entry's second call and after any
+        parameter, buffer or submodule assignment."""
+        if kwargs or not self.direct_dispatch or isinstance(entry.compiled, _Uncached):
+            return entry.compiled(*call_args, **kwargs)
+        entry.registrations = registrations()
+        result, probe = _compat.probe_call(entry.compiled, call_args)
+        entry.direct = plan(self._module, args, probe, result)
+        if entry.direct is not None:
+            bump("direct_plans")
+        return result
 
     def _finish_entry(self) -> None:
         """Rewrite the entry just compiled with what its first call taught the compiler."""
@@ -379,6 +413,7 @@ def cache_compile(
     key_extra: Mapping[str, Any] | None = None,
     entry_data: EntryData | None = None,
     parameter_guards: bool = True,
+    direct_dispatch: bool = True,
     **kwargs: Any,
 ) -> CacheCompiledFunction:
     """Compile ``func`` (a bound method of an ``nn.Module``) once and cache it on disk.
@@ -392,7 +427,10 @@ def cache_compile(
     what that backend adds to the key (versions, options hash, pass identities);
     ``entry_data`` what it learns on an entry's first call and wants back on a load;
     ``parameter_guards=False`` (for a compile_fn whose runtime checks parameter addresses
-    itself, and which puts that choice in key_extra) keeps no per-call guard on parameters.
+    itself, and which puts that choice in key_extra) keeps no per-call guard on parameters;
+    ``direct_dispatch`` (default) calls the compiled graph with a flat-argument plan once the
+    guards pass, instead of dynamo's bytecode (see npugraph_cache.dispatch; False: always the
+    bytecode).
     kwargs: ``options=`` and ``custom_decompositions=`` only.
     """
     unknown = sorted(set(kwargs) - set(_ALLOWED_KWARGS))
@@ -411,10 +449,11 @@ def cache_compile(
             f"cache_compile: func must be a method of an nn.Module, got a method of "
             f"{type(func.__self__).__name__}"
         )
-    if not isinstance(dynamic, bool):
-        raise CacheArgumentError(
-            f"cache_compile: dynamic must be True or False, got {describe(dynamic)}"
-        )
+    for flag, given in (("dynamic", dynamic), ("direct_dispatch", direct_dispatch)):
+        if not isinstance(given, bool):
+            raise CacheArgumentError(
+                f"cache_compile: {flag} must be True or False, got {describe(given)}"
+            )
     for name, value in (("global_rank", global_rank), ("tp_rank", tp_rank), ("pp_rank", pp_rank)):
         if value is not None and (
             not isinstance(value, int) or isinstance(value, bool) or value < 0
@@ -442,6 +481,7 @@ def cache_compile(
         key_extra=key_extra,
         entry_data=entry_data,
         parameter_guards=parameter_guards,
+        direct_dispatch=direct_dispatch,
     )
 
 

@@ -183,16 +183,11 @@ class GraphedCallable:
 
         profiling = _compat.profiler_enabled
 
-        def run(args: Args) -> object:
-            if profiling():
-                return profiled(args)
-            return plain(args)
-
-        def profiled(args: Args) -> object:
-            with torch.profiler.record_function(REPLAY_RANGE):
-                return plain(args)
-
-        def plain(args: Args) -> object:
+        # one frame a call: the profiler range re-enters it once with ``ranged``
+        def run(args: Args, ranged: bool = False) -> object:
+            if not ranged and profiling():
+                with torch.profiler.record_function(REPLAY_RANGE):
+                    return run(args, True)
             if pick_constants is not None and not _equal(pick_constants(args), constants):
                 changed_constant(args, constants)
             if core_limit() != captured_limit:
