@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-from npugraph_passes.stream_scopes import retag_graph_events
 from npugraph_runtime.ops import forget_graph_events
 
 from npugraph_backend import _compat, process_groups
@@ -183,6 +182,9 @@ class SerializableCompiledGraph(_compat.OutputCode):
             state["gm"] = LoadedGraph(forward, state["gm"])
         else:  # the data dumper walks the FX graph
             state["gm"] = _compat.graph_unpickle(state["gm"], example_inputs)
+            # a warm start with a saved forward imports no pass module
+            from npugraph_passes.stream_scopes import retag_graph_events
+
             # its events (named after the graph) are this graph's own, dropped with it; a saved
             # forward never has events (saved_forward keeps their graphs as FX)
             if retag_graph_events(state["gm"], state["name"], name):
