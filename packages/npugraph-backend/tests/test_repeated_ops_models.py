@@ -1,10 +1,13 @@
 """transformers decoders whose layers each rebuild the same attention mask: compiled with
 backend="npugraph_ex", the graph builds it once (remove_repeated_ops, run by remove_noop_ops),
 squares by ``mul`` and picks the greedy token by ``max`` (equivalents, run by
-pattern_fusion_pass), and every replay matches eager over fresh tokens."""
+pattern_fusion_pass), the replay issues each RoPE ``cat(-x2, x1)`` as the sign flip written into
+its half of the output plus one copy of the other half (cpu_replay._split_cats), and every
+replay matches eager over fresh tokens."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from typing import Any
 
@@ -40,6 +43,22 @@ def _count_nodes(counts: list[dict[Any, int]]) -> Callable[..., None]:
     return post
 
 
+def _cpu_graphs() -> list[Any]:
+    from npugraph_runtime.devices.cpu import CpuGraph
+
+    return [o for o in gc.get_objects() if type(o) is CpuGraph and o.recorded_ops() > 0]
+
+
+def _cat_lines(graph: Any) -> list[list[str]]:
+    per_op, lines, _ = graph._replay.__ops__
+    found = []
+    for i, (step, _kind, first) in enumerate(per_op):
+        last = per_op[i + 1][2] if i + 1 < len(per_op) else len(lines)
+        if step.func is torch.ops.aten.cat.default:
+            found.append(lines[first:last])
+    return found
+
+
 @pytest.mark.parametrize("make", [_llama, _qwen2], ids=["llama", "qwen2"])
 @torch.no_grad()
 def test_mask_is_built_once_and_replays_match_eager(make: Callable[[], Any]) -> None:
@@ -57,6 +76,7 @@ def test_mask_is_built_once_and_replays_match_eager(make: Callable[[], Any]) -> 
         return logits.clone(), logits[:, -1].argmax(-1, keepdim=True)
 
     counts: list[dict[Any, int]] = []
+    before = {id(g) for g in _cpu_graphs()}
     compiled = torch.compile(step, backend="npugraph_ex", fullgraph=True, dynamic=False,
                              options={"post_grad_custom_post_pass": _count_nodes(counts)})
     for i in range(STEPS):
@@ -76,3 +96,27 @@ def test_mask_is_built_once_and_replays_match_eager(make: Callable[[], Any]) -> 
     assert counts[0][aten.max.dim] == 1
     captured = [k for k, v in _compat.counters().items() if k.startswith("captured_") and v]
     assert captured
+    graphs = [g for g in _cpu_graphs() if id(g) not in before]
+    assert graphs
+    for graph in graphs:
+        cats = _cat_lines(graph)
+        # per layer a q and a k rotate_half, each one copy (the negated half is written in
+        # place), and the rotary embedding's cat(freqs, freqs): two copies
+        assert sorted(len(c) for c in cats) == [1] * (2 * LAYERS) + [2]
+        assert not any("out=" in line for c in cats for line in c)
+
+
+@torch.no_grad()
+def test_gpt2_replays_match_eager() -> None:
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=128, n_embd=32, n_layer=LAYERS, n_head=4, n_positions=64)).eval()
+
+    def step(ids: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=ids, use_cache=False).logits.clone()
+
+    compiled = torch.compile(step, backend="npugraph_ex", fullgraph=True, dynamic=False)
+    for _ in range(STEPS):
+        ids = torch.randint(0, 128, (2, 8))  # fresh input every call
+        torch.testing.assert_close(compiled(ids), step(ids))
+    assert any(k.startswith("captured_") and v for k, v in _compat.counters().items())

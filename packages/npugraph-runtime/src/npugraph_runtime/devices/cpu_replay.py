@@ -102,9 +102,10 @@ def _refs(value: Any) -> Iterator[TRef]:
             yield from _refs(v)
 
 
-def _plan(
-    steps: Sequence[Step], tensors: Sequence[TensorEntry], dead: set[int]
-) -> list[tuple[Step, Kind, Any, tuple[str, ...], tuple[tuple[tuple[int, ...], TRef], ...]]]:
+_Planned = tuple[Step, Kind, Any, tuple[str, ...], tuple[tuple[tuple[int, ...], TRef], ...]]
+
+
+def _plan(steps: Sequence[Step], tensors: Sequence[TensorEntry], dead: set[int]) -> list[_Planned]:
     """Walk the steps backwards: drop pure ops none of whose results is used (their storages are
     dead intermediates no later op reads), pick each remaining op's cheapest verified kernel given
     which outputs are used, and copy only those. Returns (step, kind, call, out_names, outs)."""
@@ -131,6 +132,106 @@ def _plan(
     return planned
 
 
+_CAT = torch.ops.aten.cat.default
+# producers that may write their result straight into a slice of the cat that alone reads it:
+# ops whose every element is exact whatever the output's strides (a sign flip), so the slice's
+# strides cannot change a bit of it
+_INTO_SLICE = frozenset({torch.ops.aten.neg.default})
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``t`` can touch (intermediates share one pool storage, so not the storage's)."""
+    if t.numel() == 0:
+        return 0, 0
+    if any(s < 0 for s in t.stride()):  # pragma: no cover - torch has no negative strides today
+        storage = t.untyped_storage()
+        return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    extent = sum((n - 1) * s for n, s in zip(t.size(), t.stride(), strict=True)) + 1
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    (a0, a1), (b0, b1) = _span(a), _span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _cat_slices(step: Step, kind: Kind, res: _Resolver) -> list[tuple[Any, torch.Tensor]] | None:
+    """A cat with an out= kernel as one ``copy_`` per input into its slice of the output (a cat
+    of tensors of the output's dtype is a copy of their bytes, in less time than the cat kernel
+    takes): (input ref or value, slice) per input, or None where it does not apply (other
+    dtypes, zero-size or legacy 1-d empty inputs, an input overlapping the output)."""
+    if step.func is not _CAT or kind not in (Kind.OUT_PUBLIC, Kind.OUT_OVERLOAD) or len(step.outs) != 1:
+        return None
+    args = list(step.args)
+    if "tensors" in step.kwargs or len(args) > 2 or set(step.kwargs) - {"dim"}:
+        return None
+    dim = args[1] if len(args) > 1 else step.kwargs.get("dim", 0)
+    inputs = args[0] if args else None
+    out = res.tensor(step.outs[0][1])
+    if type(dim) is not int or not isinstance(inputs, (list, tuple)) or out.dim() == 0:
+        return None
+    dim %= out.dim()
+    slices: list[tuple[Any, torch.Tensor]] = []
+    offset = 0
+    for ref in inputs:
+        t = res.value(ref)
+        if (
+            not isinstance(t, torch.Tensor)
+            or t.dtype != out.dtype
+            or t.device != out.device
+            or t.dim() != out.dim()
+            or t.size(dim) == 0
+            or any(t.size(d) != out.size(d) for d in range(out.dim()) if d != dim)
+            or _overlaps(t, out)
+        ):
+            return None
+        slices.append((ref, out.narrow(dim, offset, t.size(dim))))
+        offset += t.size(dim)
+    return slices if offset == out.size(dim) else None
+
+
+def _split_cats(
+    planned: Sequence[_Planned], tensors: Sequence[TensorEntry], dead: set[int], res: _Resolver
+) -> tuple[dict[int, list[tuple[Any, torch.Tensor]]], dict[int, torch.Tensor]]:
+    """Which cats become slice copies (by planned index), and which producers write straight
+    into a cat's slice instead (by planned index: the slice): a producer in ``_INTO_SLICE``
+    issued right before the cat, whose single result is a dead intermediate that no op but
+    the cat reads, and whose inputs do not overlap the cat's output."""
+    reads: dict[int, int] = {}
+    for step, *_ in planned:
+        for value in (*step.args, *step.kwargs.values()):
+            for s in {tensors[r.i].storage for r in _refs(value)}:
+                reads[s] = reads.get(s, 0) + 1
+    cats: dict[int, list[tuple[Any, torch.Tensor]]] = {}
+    into: dict[int, torch.Tensor] = {}
+    for i, (step, kind, *_rest) in enumerate(planned):
+        slices = _cat_slices(step, kind, res)
+        if slices is None:
+            continue
+        cats[i] = slices
+        if i == 0:
+            continue
+        prev, prev_kind, _call, _names, prev_outs = planned[i - 1]
+        if prev.func not in _INTO_SLICE or prev_kind not in (Kind.OUT_PUBLIC, Kind.OUT_OVERLOAD):
+            continue
+        if len(prev_outs) != 1 or prev_outs[0][0] != ():
+            continue
+        made = prev_outs[0][1]
+        storage = tensors[made.i].storage
+        if storage not in dead or reads.get(storage) != 1:
+            continue
+        hits = [k for k, (ref, _) in enumerate(slices) if isinstance(ref, TRef) and ref.i == made.i]
+        out = slices[0][1]
+        sources = [res.value(a) for a in (*prev.args, *prev.kwargs.values())]
+        if len(hits) != 1 or any(
+            isinstance(t, torch.Tensor) and _overlaps(t, out) for t in sources
+        ):
+            continue
+        into[i - 1] = slices[hits[0]][1]
+        slices[hits[0]] = (None, slices[hits[0]][1])  # written there already
+    return cats, into
+
+
 def generate(
     steps: Sequence[Step], tensors: Sequence[TensorEntry], dead: set[int]
 ) -> tuple[Callable[[], None], int]:
@@ -142,18 +243,25 @@ def generate(
     collectives = Emitter(names, res, tensors)
     issued = 0
     per_op: list[tuple[Step, Kind, int]] = []  # (step, kernel, first line): for kernel audits
-    for step, kind, call_obj, out_names, step_outs in _plan(steps, tensors, dead):
+    planned = _plan(steps, tensors, dead)
+    cats, into = _split_cats(planned, tensors, dead, res)
+    for i, (step, kind, call_obj, out_names, step_outs) in enumerate(planned):
         issued += 1
         per_op.append((step, kind, len(lines)))
         args = [res.value(a) for a in step.args]
         kwargs = {k: res.value(v) for k, v in step.kwargs.items()}
-        if kind is Kind.OUT_PUBLIC:
-            outs = [res.tensor(r) for _, r in step_outs]
+        if i in cats:
+            lines.extend(
+                f"{names.bind(view.copy_)}({names.expr(res.value(ref))})"
+                for ref, view in cats[i] if ref is not None
+            )
+        elif kind is Kind.OUT_PUBLIC:
+            outs = [into[i]] if i in into else [res.tensor(r) for _, r in step_outs]
             out: object = outs[0] if len(outs) == 1 else tuple(outs)
             call = _call_args(names, args, {**kwargs, "out": out})
             lines.append(f"{names.bind(call_obj)}({call})")
         elif kind is Kind.OUT_OVERLOAD:
-            outs = [res.tensor(r) for _, r in step_outs]
+            outs = [into[i]] if i in into else [res.tensor(r) for _, r in step_outs]
             call = _call_args(names, args, {**kwargs, **dict(zip(out_names, outs, strict=True))})
             lines.append(f"{names.bind(call_obj)}({call})")
         elif kind is Kind.COPY_INTO:
