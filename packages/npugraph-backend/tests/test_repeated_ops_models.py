@@ -49,14 +49,20 @@ def _cpu_graphs() -> list[Any]:
     return [o for o in gc.get_objects() if type(o) is CpuGraph and o.recorded_ops() > 0]
 
 
-def _cat_lines(graph: Any) -> list[list[str]]:
+def _lines_of(graph: Any, op: Any) -> list[list[str]]:
     per_op, lines, _ = graph._replay.__ops__
     found = []
     for i, (step, _kind, first) in enumerate(per_op):
         last = per_op[i + 1][2] if i + 1 < len(per_op) else len(lines)
-        if step.func is torch.ops.aten.cat.default:
+        if step.func is op:
             found.append(lines[first:last])
     return found
+
+
+def _copies_a_saved_tensor(graph: Any, line: str) -> bool:
+    namespace = graph._replay.__ops__[2]
+    callee, _, arg = line.rstrip(")").partition("(")
+    return namespace[callee].__name__ == "copy_" and isinstance(namespace.get(arg), torch.Tensor)
 
 
 @pytest.mark.parametrize("make", [_llama, _qwen2], ids=["llama", "qwen2"])
@@ -99,11 +105,15 @@ def test_mask_is_built_once_and_replays_match_eager(make: Callable[[], Any]) -> 
     graphs = [g for g in _cpu_graphs() if id(g) not in before]
     assert graphs
     for graph in graphs:
-        cats = _cat_lines(graph)
+        cats = _lines_of(graph, aten.cat.default)
         # per layer a q and a k rotate_half, each one copy (the negated half is written in
         # place), and the rotary embedding's cat(freqs, freqs): two copies
         assert sorted(len(c) for c in cats) == [1] * (2 * LAYERS) + [2]
         assert not any("out=" in line for c in cats for line in c)
+        # the mask's arange and its two scalar_tensors read no input: copies of saved results
+        constants = _lines_of(graph, aten.arange.default) + _lines_of(graph, aten.scalar_tensor.default)
+        assert len(constants) == 3
+        assert all(len(c) == 1 and _copies_a_saved_tensor(graph, c[0]) for c in constants)
 
 
 @torch.no_grad()
