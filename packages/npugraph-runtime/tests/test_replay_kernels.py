@@ -5,6 +5,7 @@ a re-capture still verifies, on its own data, the kernel it will use."""
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
@@ -135,9 +136,21 @@ def _fresh_decisions() -> Iterator[None]:
         cpu_kernels._DECIDED.update(saved)
 
 
-def test_the_public_binding_is_kept_where_the_overload_timed_cheaper() -> None:
-    """Both run the same out= kernel; the binding's call path is shorter when caches are cold
-    (between the GEMMs of a decode step), which a warm timing at capture cannot see."""
+BINDING_CASES = {
+    # the overload timed cheaper than the binding at the first capture: both run the same out=
+    # kernel, and the binding's call path is shorter when caches are cold (between the GEMMs of
+    # a decode step), which a warm timing at capture cannot see
+    "out= kernel": ({"op": 9000, "binding": 9000, "out_public": 900, "out_overload": 500},
+                    "out_public"),
+    # the op's handle timed cheaper than the binding, and both beat the out= kernels
+    "fresh result": ({"op": 500, "binding": 9000, "out_public": 90000, "out_overload": 90000},
+                     "copy"),
+}
+
+
+@pytest.mark.parametrize("case", list(BINDING_CASES))
+def test_the_public_binding_is_kept_where_the_overload_timed_cheaper(case: str) -> None:
+    costs, kernel = BINDING_CASES[case]
     x = torch.randn(7, 3)
     fn = lambda t: torch.mul(t, t) + 1.0  # noqa: E731
     _capture(fn, x)
@@ -146,17 +159,36 @@ def test_the_public_binding_is_kept_where_the_overload_timed_cheaper() -> None:
     labels = {lab for v in exported.values() for lab, _ in v["candidates"]}
     assert {"out_public", "out_overload"} <= labels
     with _fresh_decisions():
-        # the overload timed cheaper than the binding at the first capture
-        costs = {"op": 9000, "binding": 9000, "out_public": 900, "out_overload": 500}
         cpu_kernels.seed_kernel_decisions({
             k: {"candidates": [[lab, costs[lab]] for lab, _ in v["candidates"]],
                 "copy_costs": v["copy_costs"]} for k, v in exported.items()})
         g, out = _capture(fn, x)
-        assert _kernels(g)["aten::mul.Tensor"] == "out_public"
+        assert _kernels(g)["aten::mul.Tensor"] == kernel
+        assert torch._C._VariableFunctions.mul in _callees(g, "aten.mul.Tensor")
         for _ in range(5):
             x.copy_(torch.randn_like(x))
             g.replay()  # type: ignore[attr-defined]
             assert torch.equal(out, fn(x))  # type: ignore[arg-type]
+
+
+def _callees(g: object, op: str) -> list[object]:
+    """What the first replay line of ``op`` calls (a copy and the op, for compute-and-copy)."""
+    per_op, lines, namespace = g._replay.__ops__  # type: ignore[attr-defined]
+    first = next(f for step, _kind, f in per_op if str(step.func) == op)
+    return [namespace[name] for name in re.findall(r"(v\d+)\(", lines[first])]
+
+
+def test_an_inplace_unary_op_without_a_tensor_method_replays_through_its_binding() -> None:
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.silu(t * 2.0, inplace=True) * t
+
+    x = torch.randn(5, 9)
+    g, out = _capture(fn, x)
+    assert _callees(g, "aten.silu_.default") == [torch._C._nn.silu_]
+    for _ in range(5):
+        x.copy_(torch.randn_like(x))
+        g.replay()  # type: ignore[attr-defined]
+        assert torch.equal(out, fn(x))  # type: ignore[arg-type]
 
 
 def _namespace_and_name(op: str) -> tuple[str, str]:

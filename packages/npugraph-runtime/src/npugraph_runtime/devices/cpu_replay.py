@@ -13,7 +13,7 @@ import torch
 
 from npugraph_runtime import _compat
 from npugraph_runtime.devices.cpu_collectives import Emitter, work_path
-from npugraph_runtime.devices.cpu_kernels import Kind, cheapest
+from npugraph_runtime.devices.cpu_kernels import Kind, cheapest, public_binding
 from npugraph_runtime.devices.cpu_recorder import Step, TensorEntry, TRef
 
 
@@ -264,6 +264,30 @@ def _constant_value(step: Step, kind: Kind, res: _Resolver) -> tuple[torch.Tenso
     return out, saved
 
 
+def _entry(step: Step, call_obj: Any) -> Any:
+    """What a COPY, AS_IS or COLLECTIVE step calls. An in-place unary aten op re-issued as it is
+    (``silu_``, which has no Tensor method) calls its public binding: the same op by Python's
+    argument parser, about 0.3 µs shorter warm than the schema's stack (and more cold); its
+    only signature is the schema's one tensor, so it cannot pick another overload."""
+    if call_obj is not None:
+        return call_obj
+    func = step.func
+    name = _compat.op_base_name(func)
+    if (
+        step.kind is Kind.AS_IS
+        and func.namespace == "aten"
+        and name.endswith("_")
+        and len(_compat.op_schema(func).arguments) == 1
+        and len(step.args) == 1
+        and isinstance(step.args[0], TRef)
+        and not step.kwargs
+    ):
+        binding = public_binding("aten", name)
+        if binding is not None:
+            return binding
+    return _compat.op_entry(func)
+
+
 def generate(
     steps: Sequence[Step], tensors: Sequence[TensorEntry], dead: set[int]
 ) -> tuple[Callable[[], None], int]:
@@ -311,7 +335,7 @@ def generate(
             for ref, saved in step.saved:
                 lines.append(f"{names.bind(res.tensor(ref).copy_)}({names.bind(saved)})")
         else:  # COPY, AS_IS, COLLECTIVE: run the op, then copy its fresh results into place
-            entry = names.bind(call_obj if call_obj is not None else _compat.op_entry(step.func))
+            entry = names.bind(_entry(step, call_obj))
             call = f"{entry}({_call_args(names, args, kwargs)})"
             if kind is Kind.COLLECTIVE:
                 lines.extend(collectives.collective(call, step_outs))
