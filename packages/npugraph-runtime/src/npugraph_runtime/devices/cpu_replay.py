@@ -1,6 +1,12 @@
 """The replay function of a CPU graph: one generated straight-line Python function whose
 tensors, callables and non-literal constants are bound as default arguments (fast locals), so a
-replay is one call with no per-op loop, lookup or branch."""
+replay is one call with no per-op loop, lookup or branch.
+
+Three forms give bitwise the same bytes by a shorter path than the recorded kernel: a ``cat`` of
+same-dtype inputs is one ``copy_`` per input into its slice (a ``neg`` that only the cat reads
+writes straight into its slice: RoPE's ``rotate_half``); an input-free ``arange`` or
+``scalar_tensor`` copies the result saved at capture; an in-place unary op re-issued as it is
+(``silu_``) calls its public binding."""
 
 from __future__ import annotations
 
