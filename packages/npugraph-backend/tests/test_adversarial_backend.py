@@ -596,7 +596,7 @@ def test_kept_outputs_stay_valid_with_clone_output_false_and_true() -> None:
         with torch.no_grad():
             outs = [c(x) for x in xs]
             want = [m(x) for x in xs]
-        # call 0 is the warmup (eager result); later calls replay; a result still held when
+        # call 0 is the capture (its result cloned); later calls replay; a result still held when
         # its capture would replay again makes another capture of the key (clone_output=False)
         for o, w in zip(outs, want, strict=True):
             assert_close(o, w)

@@ -64,7 +64,7 @@ def test_capture_limit_falls_back_to_eager_with_exactly_one_warning(counter: Cal
 def test_clone_output_off_returns_the_same_static_buffer_every_call() -> None:
     model = TwoLayer()
     f = compiled(model)
-    f(torch.randn(2, 8))  # warm-up (eager), then capture on the next call
+    f(torch.randn(2, 8))  # the capture; its result is a clone, never the static buffer
     x1, x2 = torch.randn(2, 8), torch.randn(2, 8)
     ptr = f(x1).data_ptr()
     out2 = f(x2)  # nothing holds the first result: the same static buffer again

@@ -202,3 +202,45 @@ def test_grad_mode_warning_points_at_the_users_call() -> None:
         f(torch.randn(2, 4))  # grad mode on, parameters require grad: runs eagerly
     ours = [w for w in caught if issubclass(w.category, EagerFallbackWarning)]
     assert ours and ours[0].filename == __file__
+
+
+@torch.no_grad()
+def test_llama_decode_with_a_static_cache_runs_each_first_call_once(
+        counter: Callable[[str], int], monkeypatch: pytest.MonkeyPatch) -> None:
+    # counts the runs of each captured graph (the real graph runs): on the CPU a new key's
+    # capture is its call's run, so each capture runs its graph once and writes the cache once
+    import npugraph_runtime
+
+    runs: list[int] = []
+    init = npugraph_runtime.GraphedCallable.__init__
+
+    def counting(self: Any, fn: Callable[..., object], *args: Any, **kwargs: Any) -> None:
+        def counted(*a: object) -> object:
+            runs.append(1)
+            return fn(*a)
+
+        init(self, counted, *args, **kwargs)
+
+    monkeypatch.setattr(npugraph_runtime.GraphedCallable, "__init__", counting)
+    model = _llama()
+
+    def step(ids: torch.Tensor, pos: torch.Tensor, cache: Any) -> Any:
+        return model(input_ids=ids, cache_position=pos, past_key_values=cache, use_cache=True).logits
+
+    f = _compile(step)
+    cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+    eager_cache = transformers.StaticCache(config=model.config, max_cache_len=16)
+    prompt = torch.randint(0, 128, (1, 4))
+    torch.testing.assert_close(f(prompt, torch.arange(4), cache), step(prompt, torch.arange(4), eager_cache))
+    tok = torch.randint(0, 128, (1, 1))
+    for i in range(4, 10):
+        pos = torch.tensor([i])
+        want = step(tok, pos, eager_cache)
+        torch.testing.assert_close(f(tok, pos, cache), want)
+        for got_layer, want_layer in zip(cache.layers, eager_cache.layers, strict=True):
+            torch.testing.assert_close(got_layer.keys, want_layer.keys)
+            torch.testing.assert_close(got_layer.values, want_layer.values)
+        tok = want[:, -1:].argmax(-1)
+    captures = counter("capture_due_to_")
+    assert captures >= 2  # the prompt's graph and the decode step's
+    assert len(runs) == captures

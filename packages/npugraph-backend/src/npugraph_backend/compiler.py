@@ -158,7 +158,8 @@ class CompiledGraph:
         else:
             policy = self.policy()
             self.runner = npugraph_runtime.GraphedCallable(
-                self.gm.forward, self.inputs, policy, device=self.device, output_spec=self.outputs
+                self.gm.forward, self.inputs, policy, device=self.device, output_spec=self.outputs,
+                functional=True,
             )
             fn = self.runner
             if debug is not None:

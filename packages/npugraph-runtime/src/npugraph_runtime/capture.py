@@ -13,6 +13,7 @@ import torch
 
 from npugraph_runtime.core_limit import capture_core_limit
 from npugraph_runtime.devices.base import DeviceGraph, PoolHandle
+from npugraph_runtime.devices.cpu import CpuGraph
 from npugraph_runtime.errors import CaptureError, PolicyError
 from npugraph_runtime.graphs import Graph, graph
 from npugraph_runtime.inputs import (
@@ -26,7 +27,7 @@ from npugraph_runtime.keys import Args, Key
 from npugraph_runtime.outputs import Holds, OutputPlan
 from npugraph_runtime.spec import CapturePolicy, InputSpec, SlotKind
 
-__all__ = ["CAPTURE_RANGE", "Capture", "Slots", "record", "tensor", "warm_up"]
+__all__ = ["CAPTURE_RANGE", "Capture", "Slots", "capture_runs_fn", "record", "tensor", "warm_up"]
 
 # Profiler range name (what a trace shows); the backend's compile phases use the same prefix.
 CAPTURE_RANGE = "npugraph_ex::capture"
@@ -59,7 +60,7 @@ class Capture:
     """One captured graph and what its replay closure needs kept alive."""
 
     __slots__ = ("addresses", "args", "buffers", "callers", "core_limit", "graph", "holds", "key",
-                 "mirrored", "outputs", "plan", "replay", "watched_ptrs")
+                 "mirrored", "outputs", "plan", "ran", "replay", "watched_ptrs")
 
     def __init__(
         self, key: Key, graph: DeviceGraph, args: list[object], buffers: list[torch.Tensor],
@@ -82,6 +83,9 @@ class Capture:
         self.holds: Holds | None = None
         self.plan: OutputPlan | None = None
         self.replay: Callable[[Args], object] = _unset
+        # the capture's own run was the call's (record(as_call=True)): its writes to the mutated
+        # inputs stay and its outputs are the call's result
+        self.ran = False
 
     def dropped(self) -> bool:
         """The caller let go of a mutated tensor of this capture (a finished request's cache):
@@ -100,30 +104,48 @@ def _unset(args: Args) -> object:
 def warm_up(fn: Callable[..., object], args: Args, slots: Slots, runs: int) -> object:
     """``runs`` eager calls of ``fn``; the last one's result. Every run but the last is undone,
     so side effects land once, as in eager."""
-    if runs > 1:
+    undone_runs(fn, args, slots, runs - 1)
+    return fn(*args)
+
+
+def undone_runs(fn: Callable[..., object], args: Args, slots: Slots, runs: int) -> None:
+    """``runs`` eager calls of ``fn``, each undone (its writes to the mutated inputs)."""
+    if runs > 0:
         mutated = [tensor(args, i) for i in slots.mutated]
         snapshot = [t.clone() for t in mutated]
-        for _ in range(runs - 1):
+        for _ in range(runs):
             fn(*args)
             for t, s in zip(mutated, snapshot, strict=True):
                 t.copy_(s)
-    return fn(*args)
+
+
+def capture_runs_fn(device: torch.device) -> bool:
+    """Whether a capture on ``device`` computes what an eager run does (the CPU graph runs every
+    op it records; an accelerator's capture launches nothing), so that its run can be a call's."""
+    return device.type == "cpu"
 
 
 def record(
     fn: Callable[..., object], name: str, spec: InputSpec, policy: CapturePolicy, slots: Slots,
     key: Key, args: Args, device: torch.device, pool: PoolHandle | None,
-    closure: Callable[[Capture], Callable[[Args], object]],
+    closure: Callable[[Capture], Callable[[Args], object]], as_call: bool = False,
 ) -> Capture:
     """Capture once; again, with mirrored buffers, when the graph turns out to read a user
     input through as_strided (at storage positions a dense buffer does not have). ``closure``
-    builds the capture's replay closure."""
+    builds the capture's replay closure.
+
+    ``as_call`` (a graph whose capture computes, see capture_runs_fn): the capture's run is the
+    call's, as an eager run would be: the writes of the capture that is kept stay, those of a
+    capture made again (mirrored) or refused are undone first. Only writes to the mutated inputs
+    may stay: if the run wrote any other tensor that existed before it, every write is undone and
+    ``ran`` stays False (the caller then runs the call eagerly)."""
     mirrored: frozenset[int] = frozenset()
     while True:
         g, out, cap_args, buffers, raw_reads = _record_once(
-            fn, name, spec, policy, slots, args, mirrored, device, pool)
+            fn, name, spec, policy, slots, args, mirrored, device, pool, as_call)
         if raw_reads <= mirrored:
             break
+        _undo(g)
         g.reset()
         mirrored |= raw_reads
     cap = Capture(key, g, cap_args, buffers, mirrored)
@@ -132,14 +154,28 @@ def record(
     try:
         cap.replay = closure(cap)
     except BaseException:
+        _undo(g)
         g.reset()
         raise
+    if isinstance(g, CpuGraph) and as_call:
+        mutated = {storage_ptr(tensor(args, i)) for i in slots.mutated}
+        cap.ran = all(st.data_ptr() in mutated for st in g.written())
+        if cap.ran:
+            g.drop_undo()
+        else:
+            g.undo_writes()
     return cap
+
+
+def _undo(g: DeviceGraph) -> None:
+    if isinstance(g, CpuGraph):
+        g.undo_writes()
 
 
 def _record_once(
     fn: Callable[..., object], name: str, spec: InputSpec, policy: CapturePolicy, slots: Slots,
     args: Args, mirrored: frozenset[int], device: torch.device, pool: PoolHandle | None,
+    as_call: bool,
 ) -> tuple[DeviceGraph, object, list[object], list[torch.Tensor], frozenset[int]]:
     cap_args, buffers = _buffers(name, policy, slots, args, mirrored)
     # statics and user buffers must not be written: replays would not write the caller's
@@ -152,6 +188,8 @@ def _record_once(
     watch = WriteWatch({p: i for p, i in watched.items() if p and p not in mutated},
                        {p: i for p, i in users.items() if p})
     g = Graph(device)
+    if as_call and isinstance(g, CpuGraph):
+        g.keep_writes = True
     with (
         torch.profiler.record_function(CAPTURE_RANGE),
         graph(g, pool=pool, capture_error_mode=policy.capture_error_mode),
@@ -159,6 +197,7 @@ def _record_once(
     ):
         out = fn(*cap_args)
     if watch.written:
+        _undo(g)
         g.reset()
         i, op = next(iter(watch.written.items()))
         raise PolicyError(

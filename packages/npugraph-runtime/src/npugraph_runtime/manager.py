@@ -20,7 +20,7 @@ import torch
 
 from npugraph_runtime import _compat
 from npugraph_runtime.callsite import warn_at_caller
-from npugraph_runtime.capture import Capture, Slots, record, warm_up
+from npugraph_runtime.capture import Capture, Slots, capture_runs_fn, record, undone_runs, warm_up
 from npugraph_runtime.core_limit import capture_core_limit
 from npugraph_runtime.counters import (
     CAPTURE_LIMIT,
@@ -91,7 +91,12 @@ class GraphedCallable:
     stay intact while another thread's calls run, by the rule above.
     Refused at capture (PolicyError): fn writing a user or static input in place (declare it
     mutated), and a user input sharing bytes with a mutated input (a disjoint view of the same
-    storage is fine, unless the graph reads it through as_strided)."""
+    storage is fine, unless the graph reads it through as_strided).
+
+    ``functional=True`` says ``fn`` is a traced graph (the backend's): it runs the same ops on
+    every call and writes nothing but its mutated inputs. On a device whose capture computes (the
+    CPU) the last warmup run of a new key is then the capture itself: its writes to the mutated
+    inputs stay and the call returns clones of its outputs, so the graph runs once, not twice."""
 
     def __init__(
         self,
@@ -101,8 +106,10 @@ class GraphedCallable:
         *,
         device: torch.device | str | None = None,
         output_spec: OutputSpec | None = None,
+        functional: bool = False,
     ) -> None:
         self._fn = fn
+        self._functional = functional
         self._spec = spec
         self._policy = policy
         self._output_spec = output_spec
@@ -285,12 +292,20 @@ class GraphedCallable:
 
         A new key is warmed up first and the call returns the last warmup run's result. Any
         other capture is not warmed up again: it replays the fresh capture and returns that, so
-        force_recapture shows what a fresh capture computes (the triage recipe relies on it)."""
+        force_recapture shows what a fresh capture computes (the triage recipe relies on it).
+        A ``functional`` fn captured where the capture computes has its last warmup run be the
+        capture itself (see the class docstring)."""
         self._check_kinds(args)
-        result = self._warm_up(args) if reason == NEW_KEY else _NO_RESULT
         device = self._device_for(args)
+        as_call = (reason == NEW_KEY and self._functional and self._policy.warmup > 0
+                   and capture_runs_fn(device))
+        if as_call:
+            undone_runs(self._fn, args, self._slots, self._policy.warmup - 1)
+            result = _NO_RESULT
+        else:
+            result = self._warm_up(args) if reason == NEW_KEY else _NO_RESULT
         cap = record(self._fn, self.name, self._spec, self._policy, self._slots, key, args,
-                     device, self._pool_for(device), self._replay_closure)
+                     device, self._pool_for(device), self._replay_closure, as_call)
         caps = self._captures.setdefault(key, [])
         if replacing is not None and replacing in caps:
             caps[caps.index(replacing)] = cap
@@ -308,6 +323,12 @@ class GraphedCallable:
         logger.info("%s: captured graph key %s (%s)", self.name, key, reason)
         if cap.holds is not None:
             cap.holds.settle()  # nothing outside the capture holds its outputs yet
+        if as_call:
+            # the capture's run was this call (cap.ran), or undid its writes (it wrote another
+            # tensor than the mutated inputs): then the call runs eagerly, once
+            if cap.ran and cap.plan is not None:
+                return cap.plan.own(args)
+            return self._fn(*args)
         if result is not _NO_RESULT:
             return result
         result = cap.replay(args)

@@ -70,6 +70,9 @@ class OutputPlan:
     # the flat outputs, kept for as long as the capture: every Python reference to a static
     # output made here lives as long as the plan, so the settled counts stay exact
     outs: list[object]
+    # the result with every static output cloned too (nothing a replay overwrites): the call's
+    # result when it is the capture's own run
+    own: Builder
 
 
 def output_plan(
@@ -122,6 +125,7 @@ def output_plan(
         else:
             static.append(pos)
     singles, groups = _clone_groups(outs, clone)
+    static_singles, static_groups = _clone_groups(outs, static)
     fixed = isinstance(out, torch.Tensor) or structure is None
     returned_as_is = fixed and not alias and not clone and not views
     holds = _holds(outs, static, out if returned_as_is and type(out) is tuple else None)
@@ -147,23 +151,40 @@ def output_plan(
         place(res, args)
         return res
 
+    def owned(args: Args) -> list[object]:
+        res = fresh(args)
+        for p in static_singles:
+            res[p] = res[p].clone()  # type: ignore[attr-defined]
+        for group in static_groups:
+            for p, t in zip(group, clone_together([res[p] for p in group]), strict=True):  # type: ignore[misc]
+                res[p] = t
+        return res
+
     if fixed:
         # a tensor, or a flat tuple: immutable, so the same object can be returned every call
-        if returned_as_is:
-            return OutputPlan(out, None, holds, outs)
         single = isinstance(out, torch.Tensor)
+
+        def own_flat(args: Args) -> object:
+            res = owned(args)
+            return res[0] if single else tuple(res)
+
+        if returned_as_is:
+            return OutputPlan(out, None, holds, outs, own_flat)
 
         def build_flat(args: Args) -> object:
             res = fresh(args)
             return res[0] if single else tuple(res)
 
-        return OutputPlan(None, build_flat, holds, outs)
+        return OutputPlan(None, build_flat, holds, outs, own_flat)
 
     def build(args: Args) -> object:
         # lists are rebuilt every call: a caller appending to one never changes the next result
         return unflatten(structure, iter(fresh(args)))
 
-    return OutputPlan(None, build, holds, outs)
+    def own(args: Args) -> object:
+        return unflatten(structure, iter(owned(args)))
+
+    return OutputPlan(None, build, holds, outs, own)
 
 
 def _holds(outs: Sequence[object], static: Sequence[int], container: object | None) -> Holds | None:

@@ -17,7 +17,9 @@ What the user must guarantee (as with CUDA graphs):
 Difference from CUDA: torch dispatch modes are thread-local, so only the capturing thread's ops are
 recorded and checked; "global" and "thread_local" behave the same, and ops other threads run during
 the capture are neither recorded nor refused. The capture applies no side effects: storages that
-existed before the capture and were written during it are restored when it ends."""
+existed before the capture and were written during it are restored when it ends, unless
+``keep_writes`` was set before it ended (then ``undo_writes()`` restores them, ``written()`` names
+them)."""
 
 from __future__ import annotations
 
@@ -75,6 +77,10 @@ class CpuGraph:
         self._replay: Any = None
         self._issued = 0
         self._tensors: list[TensorEntry] = []
+        # the capture's run computes: when set, a successful capture keeps its writes to
+        # storages that existed before it (the run then is the caller's call, see capture.py)
+        self.keep_writes = False
+        self._kept: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
 
     # --- capture -------------------------------------------------------------------------------
     def capture_begin(self, pool: PoolHandle | None = None, capture_error_mode: str = "global") -> None:
@@ -142,7 +148,10 @@ class CpuGraph:
 
     def capture_end(self) -> None:
         recorder = self._stop_recording()
-        recorder.restore()
+        if self.keep_writes and recorder.error is None:
+            self._kept = recorder.take_snapshots()
+        else:
+            recorder.restore()
         if recorder.error is not None:
             self._pool = None
             raise CaptureError(f"the capture was aborted: {recorder.error}") from recorder.error
@@ -160,6 +169,20 @@ class CpuGraph:
         self._claims = weakref.finalize(self, self._pool.release, blocks)
         self._tensors = recorder.tensors
         self._replay, self._issued = generate(recorder.steps, recorder.tensors, dead)
+
+    def written(self) -> list[torch.UntypedStorage]:
+        """The storages that existed before the last capture and that its kept run wrote."""
+        return [st for st, _ in self._kept]
+
+    def undo_writes(self) -> None:
+        """Restore what the last capture's kept run wrote (``keep_writes``); once."""
+        kept, self._kept = self._kept, []
+        for st, saved in kept:
+            st.copy_(saved)
+
+    def drop_undo(self) -> None:
+        """Keep the last capture's writes for good: free the copies of what they overwrote."""
+        self._kept = []
 
     # --- use -----------------------------------------------------------------------------------
     def replay(self) -> None:

@@ -355,9 +355,15 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
 
     def restore(self) -> None:
         """Undo every write the capture made to storages that existed before it."""
-        for st, saved in self._snapshots.values():
+        for st, saved in self.take_snapshots():
             st.copy_(saved)
+
+    def take_snapshots(self) -> list[tuple[torch.UntypedStorage, torch.UntypedStorage]]:
+        """Each storage that existed before the capture and was written during it, with its
+        contents before; the recorder forgets them (they are the caller's to restore or drop)."""
+        taken = list(self._snapshots.values())
         self._snapshots.clear()
+        return taken
 
     def fail(self, error: NpugraphError) -> None:
         if self.error is None:
