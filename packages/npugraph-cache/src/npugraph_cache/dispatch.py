@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from npugraph_cache import _compat
+
 __all__ = ["Direct", "plan", "registrations"]
 
 Direct = Callable[[tuple[Any, ...]], Any]
@@ -88,21 +90,31 @@ def plan(module: torch.nn.Module, args: tuple[Any, ...], probe: Any, result: Any
     pick = _output_picker(out, result)
     if pick is None:
         return None
+    boxed = _boxed(graph, out)
     n = len(args)
-    if [j for j, _ in fetched] == list(range(n)) and all(
-            paths[j] == (j + 1,) for j in range(n)):
-        rest = tuple(template[n:])
+    leads = [j for j, _ in fetched] == list(range(n)) and all(
+        paths[j] == (j + 1,) for j in range(n))
+    if leads and boxed is not None:
+        rest = template[n:]
+
+        def leading_boxed(call: tuple[Any, ...]) -> Any:
+            return pick(boxed([*call, *rest]))
+
+        return leading_boxed
+    if leads:
+        rest_args = tuple(template[n:])
 
         def leading(call: tuple[Any, ...]) -> Any:  # the call's own tensors first, as dynamo orders
-            return pick(graph(*call, *rest))
+            return pick(graph(*call, *rest_args))
 
         return leading
+    run: Callable[[list[Any]], Any] = boxed if boxed is not None else lambda flat: graph(*flat)
 
     def direct(call: tuple[Any, ...]) -> Any:
         inputs = template.copy()
         for j, get in fetched:
             inputs[j] = get(call)
-        return pick(graph(*inputs))
+        return pick(run(inputs))
 
     return direct
 
@@ -135,6 +147,28 @@ def _getter(i: int, steps: tuple[Any, ...]) -> Callable[[tuple[Any, ...]], Any] 
         return value
 
     return get
+
+
+def _boxed(graph: Any, out: Any) -> Callable[[list[Any]], list[Any]] | None:
+    """Where AOTAutograd's wrappers around the backend's callable do nothing for this graph
+    (``_compat.trivial_aot_call``), a call of that callable with their list convention and
+    output check: ~5 µs a call less (frames, a profiler check, grad-mode tests). None otherwise."""
+    inner = _compat.trivial_aot_call(graph)
+    if inner is None or type(out) is not list:
+        return None
+    expected = len(out)
+    # its own group: the cache counters are what README examples and workers print
+    _compat.dynamo_counters()["npugraph_ex_serving"]["boxed_plans"] += 1
+
+    def boxed(flat: list[Any]) -> list[Any]:
+        outs = inner(flat)
+        if type(outs) is not list:
+            outs = list(outs) if isinstance(outs, tuple) else [outs]
+        if len(outs) != expected:
+            raise AssertionError(f"expected {expected} outputs, got {len(outs)}")
+        return outs
+
+    return boxed
 
 
 def _output_picker(out: Any, result: Any) -> Callable[[Any], Any] | None:
