@@ -90,31 +90,45 @@ def plan(module: torch.nn.Module, args: tuple[Any, ...], probe: Any, result: Any
     pick = _output_picker(out, result)
     if pick is None:
         return None
-    boxed = _boxed(graph, out)
+    inner = _unwrapped(graph, out)
+    if inner is not None:
+        call_graph, expected = inner
+
+        def graph(*flat: Any) -> list[Any]:  # AOT's list convention and output check
+            outs = call_graph(*flat)
+            if type(outs) is not list:
+                outs = list(outs) if isinstance(outs, tuple) else [outs]
+            if len(outs) != expected:
+                raise AssertionError(f"expected {expected} outputs, got {len(outs)}")
+            return outs
+
     n = len(args)
-    leads = [j for j, _ in fetched] == list(range(n)) and all(
-        paths[j] == (j + 1,) for j in range(n))
-    if leads and boxed is not None:
-        rest = template[n:]
+    if [j for j, _ in fetched] == list(range(n)) and all(
+            paths[j] == (j + 1,) for j in range(n)):
+        rest = tuple(template[n:])
+        if inner is not None:
+            call_graph, expected = inner
 
-        def leading_boxed(call: tuple[Any, ...]) -> Any:
-            return pick(boxed([*call, *rest]))
+            def leading_unwrapped(call: tuple[Any, ...]) -> Any:  # graph() inlined: one frame less
+                outs = call_graph(*call, *rest)
+                if type(outs) is not list:
+                    outs = list(outs) if isinstance(outs, tuple) else [outs]
+                if len(outs) != expected:
+                    raise AssertionError(f"expected {expected} outputs, got {len(outs)}")
+                return pick(outs)
 
-        return leading_boxed
-    if leads:
-        rest_args = tuple(template[n:])
+            return leading_unwrapped
 
         def leading(call: tuple[Any, ...]) -> Any:  # the call's own tensors first, as dynamo orders
-            return pick(graph(*call, *rest_args))
+            return pick(graph(*call, *rest))
 
         return leading
-    run: Callable[[list[Any]], Any] = boxed if boxed is not None else lambda flat: graph(*flat)
 
     def direct(call: tuple[Any, ...]) -> Any:
         inputs = template.copy()
         for j, get in fetched:
             inputs[j] = get(call)
-        return pick(run(inputs))
+        return pick(graph(*inputs))
 
     return direct
 
@@ -149,26 +163,22 @@ def _getter(i: int, steps: tuple[Any, ...]) -> Callable[[tuple[Any, ...]], Any] 
     return get
 
 
-def _boxed(graph: Any, out: Any) -> Callable[[list[Any]], list[Any]] | None:
+def _unwrapped(graph: Any, out: Any) -> tuple[Callable[..., Any], int] | None:
     """Where AOTAutograd's wrappers around the backend's callable do nothing for this graph
-    (``_compat.trivial_aot_call``), a call of that callable with their list convention and
-    output check: ~5 µs a call less (frames, a profiler check, grad-mode tests). None otherwise."""
-    inner = _compat.trivial_aot_call(graph)
-    if inner is None or type(out) is not list:
+    (``_compat.trivial_aot_call``; ~5 µs a call of frames, a profiler check and grad-mode tests),
+    that callable taking the graph inputs as positional arguments, and how many outputs AOT
+    checks it returns. None otherwise. A boxed callable that offers ``positional_call()`` (the
+    npugraph_ex backend's does) gives the call it unboxes to, saving its own frames too."""
+    boxed = _compat.trivial_aot_call(graph)
+    if boxed is None or type(out) is not list:
         return None
-    expected = len(out)
     # its own group: the cache counters are what README examples and workers print
     _compat.dynamo_counters()["npugraph_ex_serving"]["boxed_plans"] += 1
-
-    def boxed(flat: list[Any]) -> list[Any]:
-        outs = inner(flat)
-        if type(outs) is not list:
-            outs = list(outs) if isinstance(outs, tuple) else [outs]
-        if len(outs) != expected:
-            raise AssertionError(f"expected {expected} outputs, got {len(outs)}")
-        return outs
-
-    return boxed
+    positional = getattr(boxed, "positional_call", None)
+    call = positional() if callable(positional) else None
+    if call is None:
+        return (lambda *flat: boxed(list(flat))), len(out)
+    return call, len(out)
 
 
 def _output_picker(out: Any, result: Any) -> Callable[[Any], Any] | None:
