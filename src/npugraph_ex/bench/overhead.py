@@ -259,24 +259,20 @@ def _serving_figures(sec: Section, w: Workload, t: dict[str, float]) -> None:
         sec.data[f"serving_path_{start}_overhead_us"] = overhead
         sec.figures.append(Figure.check(name, overhead, "µs", f"<= {TARGET_US} µs",
                                         overhead <= TARGET_US))
-    call = t.get("ours: serving path, direct_dispatch=False (warm) call")
-    if call is not None:
-        overhead = call - t["ours: serving path bare replay"]
-        sec.data["serving_path_bytecode_overhead_us"] = overhead
-        sec.figures.append(Figure("  serving path with dynamo's bytecode every call", overhead,
-                                  "µs", note="direct_dispatch=False, warm, same rounds"))
-    call = t.get("ours: serving path, AOT's wrapper kept (warm) call")
-    if call is not None:
-        overhead = call - t["ours: serving path bare replay"]
-        sec.data["serving_path_aot_wrapper_overhead_us"] = overhead
-        sec.figures.append(Figure("  serving path with AOT's runtime wrapper every call", overhead,
-                                  "µs", note="plan not skipping it, warm, same rounds"))
-    call = t.get("ours: serving path, frozen_parameter (cold) call")
-    if call is not None:
-        overhead = call - t["ours: serving path, frozen_parameter bare replay"]
-        sec.data["serving_path_frozen_parameter_overhead_us"] = overhead
-        sec.figures.append(Figure("  serving path with frozen_parameter=True", overhead, "µs",
-                                  note="no per-call address checks of the 100 parameters"))
+    variants = (  # (timed call, its bare replay, data key, figure, note)
+        ("direct_dispatch=False (warm)", "", "bytecode", "with dynamo's bytecode every call",
+         "direct_dispatch=False, warm, same rounds"),
+        ("AOT's wrapper kept (warm)", "", "aot_wrapper", "with AOT's runtime wrapper every call",
+         "plan not skipping it, warm, same rounds"),
+        ("frozen_parameter (cold)", ", frozen_parameter", "frozen_parameter",
+         "with frozen_parameter=True", "no per-call address checks of the 100 parameters"),
+    )
+    for variant, bare, key, label, note in variants:
+        call = t.get(f"ours: serving path, {variant} call")
+        if call is not None:
+            overhead = call - t[f"ours: serving path{bare} bare replay"]
+            sec.data[f"serving_path_{key}_overhead_us"] = overhead
+            sec.figures.append(Figure(f"  serving path {label}", overhead, "µs", note=note))
 
 
 def _close(value: float, base: float) -> bool:
