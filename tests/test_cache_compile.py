@@ -392,6 +392,8 @@ def test_serving_path_catches_every_change_that_would_make_a_replay_wrong(
     assert counters["npugraph_ex_cache"]["loaded" if start == "warm" else "compiled"] == 1
     assert _captures() >= 1
     assert counters["npugraph_ex_cache"]["direct_plans"] == 1  # calls 2-5 took the plan
+    # AOT's wrappers do nothing for this graph: the plan calls the backend's callable itself
+    assert counters["npugraph_ex_serving"]["boxed_plans"] == 1
     # user-input shape and dtype: the kept guards reject the entry, another one is compiled
     _matches_eager(fn, model, _served_inputs(5, shape=(6, 16)))
     model.double()
@@ -469,6 +471,67 @@ def test_serving_path_follows_a_mutated_buffer_and_its_re_binding(
     model.cache = torch.ones(8, 16)
     twin.cache = torch.ones(8, 16)
     same(6)
+    assert counters["npugraph_ex_cache"]["direct_plans"] == 2
+
+
+class AliasesInput(torch.nn.Module):
+    """Returns a view of its input beside a computed tensor: AOT replays the alias after the
+    graph, so its wrappers are not skipped."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def step(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.relu(self.proj(x)), x[1:]
+
+
+class MutatesInput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+
+    def step(self, x: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+        acc.add_(x)
+        return self.proj(acc)
+
+
+@pytest.mark.parametrize("start", ["cold", "warm"])
+def test_serving_path_keeps_aots_wrappers_where_they_replay_an_alias_or_a_mutation(
+    tmp_path: Path, start: str
+) -> None:
+    """A plan skips AOT's runtime wrappers only where they do nothing: an output that views an
+    input keeps them (boxed_plans not counted) and stays a view of the caller's tensor, and an
+    in-place update of an argument lands in the caller's tensor either way. Each compared with
+    eager over >= 5 calls."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = AliasesInput().eval()
+    if start == "warm":
+        cache_compile(model.step, dynamic=False, cache_dir=tmp_path)(torch.randn(8, 16))
+        counters.clear()
+    fn = cache_compile(model.step, dynamic=False, cache_dir=tmp_path)
+    for _ in range(6):
+        x = torch.randn(8, 16)
+        with torch.no_grad():
+            want = model.step(x)
+        got = fn(x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        assert got[1].data_ptr() == x[1:].data_ptr()  # a view of the caller's tensor, as eager
+    assert _captures() >= 1
+    assert counters["npugraph_ex_cache"]["direct_plans"] == 1
+    assert counters["npugraph_ex_serving"]["boxed_plans"] == 0
+
+    mutating = MutatesInput().eval()
+    twin_fn = cache_compile(mutating.step, dynamic=False, cache_dir=tmp_path / "m")
+    acc, twin_acc = torch.zeros(8, 16), torch.zeros(8, 16)
+    for _ in range(6):
+        x = torch.randn(8, 16)
+        with torch.no_grad():
+            want = mutating.step(x, twin_acc)
+        torch.testing.assert_close(twin_fn(x, acc), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(acc, twin_acc)
     assert counters["npugraph_ex_cache"]["direct_plans"] == 2
 
 

@@ -177,6 +177,10 @@ class CompiledGraph:
     def __call__(self, args: list[Any]) -> Any:
         return self._fn(*args)
 
+    def positional_call(self) -> Callable[..., Any]:
+        """``__call__`` with the inputs as positional arguments."""
+        return self._fn
+
     def __getstate__(self) -> dict[str, Any]:
         return {
             "gm": self.gm,

@@ -427,3 +427,85 @@ def probe_call(compiled: Any, args: tuple[Any, ...]) -> tuple[Any, Any]:
     if len(flat) != len(paths):
         return result, None
     return result, (graph, flat, out, paths)
+
+
+# The names a trivial inference runtime wrapper of AOTAutograd's uses (grad mode around the
+# call, the output normalised to a list, its length checked); any epilogue adds a global or a
+# name (mutations, aliases, dynamic-dim marks, version bumps, autocast, the joint's view replay).
+_TRIVIAL_WRAPPER_NAMES = frozenset({"torch", "is_grad_enabled", "_C", "_set_grad_enabled",
+                                    "isinstance", "tuple", "list", "len", "AssertionError"})
+# loads of _set_grad_enabled in it: the try, the finally's normal and exceptional exit; a
+# fourth is grad_enabled_mutation's
+_TRIVIAL_GRAD_SETS = 3
+
+
+def trivial_aot_call(compiled: Any) -> Callable[[list[Any]], list[Any]] | None:
+    """The backend's own boxed callable inside dynamo's compiled graph ``compiled``, when
+    AOTAutograd's wrappers around it do nothing for this graph under no_grad: no parameters of
+    its own to prepend, no input mutation or output alias to replay, no subclass, rng or effect
+    token handling, no grad-mode change, first-call analysis done. None otherwise (the caller
+    keeps calling ``compiled``). Checked on torch 2.13.0 (aot_compile_types'
+    BundledAOTAutogradSerializableCallable -> aot_autograd's ``forward`` (a warm start:
+    aot_autograd_result's ``forward`` -> SerializableCompiledFunction) -> runtime_wrappers'
+    ``runtime_wrapper`` with its codegen'd body -> the boxed callable, in a
+    SerializableCompiledFunction after a cold compile)."""
+    try:
+        import dis
+
+        from torch._functorch import config as functorch_config
+
+        if type(compiled).__name__ != "BundledAOTAutogradSerializableCallable":
+            return None
+        cells = _runtime_wrapper_cells(compiled.compiled_fn)
+        if cells is None:
+            return None
+        body = cells["_codegen_runtime_wrapper"]
+        code = body.__code__
+        if ({k for k in body.__globals__ if not k.startswith("__")} != {"torch"}
+                or not set(code.co_names) <= _TRIVIAL_WRAPPER_NAMES
+                or code.co_varnames[:4] != ("_compiled_fn_", "_first_ctx_", "_on_before_call_",
+                                            "args")):
+            return None
+        grad_sets = sum(1 for ins in dis.get_instructions(code) if ins.argval == "_set_grad_enabled")
+        first = cells["_first_invocation_ctx"]
+        if grad_sets != _TRIVIAL_GRAD_SETS or (
+                first._is_first and functorch_config.check_custom_op_aliasing):
+            return None
+        inner = cells["_inner_compiled_fn"]
+        if not getattr(inner, "_boxed_call", False):
+            return None
+        # a cold compile wraps the backend's callable once more, forwarding its arguments
+        fn: Callable[[list[Any]], list[Any]] = (
+            inner.compiled_fn if type(inner).__name__ == "SerializableCompiledFunction" else inner)
+        return fn
+    except (AttributeError, KeyError, TypeError, ValueError, ImportError):
+        return None
+
+
+def _runtime_wrapper_cells(fn: Any) -> dict[str, Any] | None:
+    """The closure of AOT's runtime_wrapper under the forwarding layers a cold compile or a warm
+    start puts around it; None where a layer does more than forward its arguments."""
+    for _ in range(3):
+        cells = _closure(fn, "runtime_wrapper", "runtime_wrappers.py")
+        if cells is not None:
+            return cells
+        cold = _closure(fn, "forward", "aot_autograd.py")
+        warm = _closure(fn, "forward", "aot_autograd_result.py")
+        if cold is not None and set(cold) == {"compiled_fn", "params_buffers_flat"} and not (
+                cold["params_buffers_flat"]):
+            fn = cold["compiled_fn"]
+        elif warm is not None and set(warm) == {"compiled_fn"}:
+            fn = warm["compiled_fn"]
+            if type(fn).__name__ != "SerializableCompiledFunction":
+                return None
+            fn = fn.compiled_fn
+        else:
+            return None
+    return None
+
+
+def _closure(fn: Any, name: str, file: str) -> dict[str, Any] | None:
+    code = getattr(fn, "__code__", None)
+    if code is None or code.co_name != name or not code.co_filename.endswith(file):
+        return None
+    return {k: c.cell_contents for k, c in zip(code.co_freevars, fn.__closure__ or (), strict=True)}
