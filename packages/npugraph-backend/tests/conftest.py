@@ -26,3 +26,14 @@ def _counter(prefix: str) -> int:
 def counter() -> Callable[[str], int]:
     """The sum of the npugraph_ex counters whose name starts with a prefix."""
     return _counter
+
+
+def _compiles() -> int:
+    return int(_compat.dynamo_counters()["stats"]["unique_graphs"])
+
+
+@pytest.fixture
+def compiles() -> Callable[[], int]:
+    """Graphs dynamo compiled: a recompile is one more (torch 2.13 leaves counters["recompiles"]
+    empty, so a test reading it would pass whatever happened)."""
+    return _compiles

@@ -56,12 +56,6 @@ def two_branches(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.T
     return _ms.which_stream(a + b)
 
 
-def _compiles() -> int:
-    """Graphs dynamo compiled: a recompile is one more (torch 2.13 leaves counters["recompiles"]
-    empty, so a test reading it would pass whatever happened)."""
-    return int(_compat.dynamo_counters()["stats"]["unique_graphs"])
-
-
 def _compile(fn: Callable[..., Any], **options: object) -> Any:
     return torch.compile(fn, backend="npugraph_ex", fullgraph=True, options=dict(options))
 
@@ -72,6 +66,7 @@ def _inputs() -> list[torch.Tensor]:
 
 def test_two_branches_on_two_streams_equal_eager_with_one_capture(
     counter: Callable[[str], int],
+    compiles: Callable[[], int],
 ) -> None:
     compiled = _compile(two_branches)
     with warnings.catch_warnings():
@@ -84,14 +79,15 @@ def test_two_branches_on_two_streams_equal_eager_with_one_capture(
     # one capture of the key, and one more because `got` is still held when the next call runs
     assert counter("capture_due_to_new_key_") == 1
     assert counter("capture_due_to_held_outputs_") == 1 and counter("captured_") == 2
-    assert _compat.dynamo_counters()["stats"]["unique_graphs"] == 1
-    assert _compiles() == 1  # dynamo compiled once: no recompile
+    assert compiles() == 1  # dynamo compiled once: no recompile
     # the last call: the replay runs each branch on its stream, as eager does
     assert _seen == [S1.impl.id, S2.impl.id, 0] * 2
     assert current_cpu_stream().id == 0
 
 
-def test_two_functions_with_streams_compile_in_one_process(counter: Callable[[str], int]) -> None:
+def test_two_functions_with_streams_compile_in_one_process(
+    counter: Callable[[str], int], compiles: Callable[[], int],
+) -> None:
     def first(x: torch.Tensor) -> torch.Tensor:
         with ngr.stream(S1):
             y = x * 2
@@ -117,10 +113,12 @@ def test_two_functions_with_streams_compile_in_one_process(counter: Callable[[st
             torch.testing.assert_close(f(x), first(x))
             torch.testing.assert_close(g(x), second(x))
     assert counter("captured_") == 2
-    assert _compiles() == 2  # one compile per function, no recompile
+    assert compiles() == 2  # one compile per function, no recompile
 
 
-def test_event_made_inside_the_function_does_not_recompile(counter: Callable[[str], int]) -> None:
+def test_event_made_inside_the_function_does_not_recompile(
+    counter: Callable[[str], int], compiles: Callable[[], int],
+) -> None:
     def fn(x: torch.Tensor) -> torch.Tensor:
         e = ngr.Event("cpu")
         with ngr.stream(S1):
@@ -134,7 +132,7 @@ def test_event_made_inside_the_function_does_not_recompile(counter: Callable[[st
         x = torch.randn(5)
         torch.testing.assert_close(compiled(x), fn(x))
     assert counter("captured_") == 1
-    assert _compat.dynamo_counters()["stats"]["unique_graphs"] == 1
+    assert compiles() == 1
 
 
 def test_use_on_another_stream_without_an_event_warns() -> None:
@@ -183,6 +181,7 @@ def test_limit_core_num_applies_inside_the_graph(
 
 def test_limit_core_num_around_the_call_is_seen_inside_the_graph(
     counter: Callable[[str], int],
+    compiles: Callable[[], int],
 ) -> None:
     def fn(x: torch.Tensor) -> torch.Tensor:
         return _ms.threads(x) * 2
@@ -203,9 +202,8 @@ def test_limit_core_num_around_the_call_is_seen_inside_the_graph(
         torch.set_num_threads(saved)
     # torch 2.13's dynamo guards on torch.get_num_threads() (GLOBAL_STATE, not switchable off
     # alone): each thread count is compiled once, then each graph replays its one capture
-    assert _compiles() <= 2
-    assert _compat.dynamo_counters()["stats"]["unique_graphs"] <= 2
-    assert counter("captured_") == _compat.dynamo_counters()["stats"]["unique_graphs"]
+    assert compiles() <= 2
+    assert counter("captured_") == compiles()
 
 
 def _check_limit(compiled: Any, fn: Callable[..., Any]) -> None:
@@ -259,7 +257,9 @@ def _aot_compile(fn: Callable[..., Any], args: list[Any]) -> tuple[Any, list[Any
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
-def test_two_branches_on_two_cuda_streams_equal_eager(counter: Callable[[str], int]) -> None:
+def test_two_branches_on_two_cuda_streams_equal_eager(
+    counter: Callable[[str], int], compiles: Callable[[], int],
+) -> None:
     s1, s2 = ngr.Stream("cuda"), ngr.Stream("cuda")
 
     def fn(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -280,7 +280,7 @@ def test_two_branches_on_two_cuda_streams_equal_eager(counter: Callable[[str], i
         args = [t.cuda() for t in _inputs()]
         torch.testing.assert_close(compiled(*args), fn(*args))
     assert counter("captured_") == 1
-    assert _compiles() == 1
+    assert compiles() == 1
 
 
 def test_nested_core_limits_on_a_side_stream_restore_in_order() -> None:
