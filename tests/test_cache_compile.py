@@ -681,6 +681,41 @@ def test_serving_path_keeps_dynamos_bytecode_for_a_graph_that_reads_a_global(
     assert _captures() >= 1
 
 
+def test_an_entry_without_a_plan_is_probed_once_per_assignment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Probing runs dynamo's bytecode through a recording wrapper and reads it: an entry that
+    got no plan is not probed again on every call (it was, ~10x a call's cost), only after a
+    parameter, buffer or submodule assignment. Equal to eager throughout."""
+    from npugraph_cache import _compat as cache_compat
+    from torch._dynamo.utils import counters
+
+    probes: list[int] = []
+    real_probe = cache_compat.probe_call
+
+    def spy(compiled: Any, args: tuple[Any, ...]) -> tuple[Any, Any]:
+        probes.append(1)
+        return real_probe(compiled, args)
+
+    monkeypatch.setattr(cache_compat, "probe_call", spy)
+    model = ReadsGlobal().eval()
+    fn = cache_compile(model.step, dynamic=False, cache_dir=tmp_path)
+
+    def calls(n: int) -> None:
+        for _ in range(n):
+            x = torch.randn(8, 16)
+            with torch.no_grad():
+                torch.testing.assert_close(fn(x), model.step(x))
+
+    calls(6)
+    assert len(probes) == 1  # the second call; none after it
+    model.proj.weight = torch.nn.Parameter(torch.randn(16, 16))
+    calls(4)
+    assert len(probes) == 2
+    assert counters["npugraph_ex_cache"]["direct_plans"] == 0
+    assert _captures() >= 1
+
+
 def test_direct_dispatch_must_be_a_bool(tmp_path: Path) -> None:
     from npugraph_cache import CacheArgumentError
 

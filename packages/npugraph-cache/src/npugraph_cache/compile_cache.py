@@ -216,10 +216,13 @@ class CacheCompiledFunction:
     ) -> Any:
         """A call through dynamo's bytecode that, where the entry allows it, also makes the plan
         later calls take (dispatch.py). Runs on an entry's second call and after any
-        parameter, buffer or submodule assignment."""
-        if kwargs or not self.direct_dispatch or isinstance(entry.compiled, _Uncached):
+        parameter, buffer or submodule assignment; an entry that got no plan is not probed
+        again until the next assignment (the same bytecode would give the same answer)."""
+        count = registrations()
+        if (kwargs or not self.direct_dispatch or isinstance(entry.compiled, _Uncached)
+                or entry.registrations == count):
             return entry.compiled(*call_args, **kwargs)
-        entry.registrations = registrations()
+        entry.registrations = count
         result, probe = _compat.probe_call(entry.compiled, call_args)
         entry.direct = plan(self._module, args, probe, result)
         if entry.direct is not None:
