@@ -13,7 +13,8 @@ import npugraph_runtime.devices
 
 # what devices/ may import of the runtime besides itself: leaves that import nothing of ours but
 # one another
-BELOW_DEVICES = ("npugraph_runtime._compat", "npugraph_runtime.errors", "npugraph_runtime.schema")
+BELOW_DEVICES = ("npugraph_runtime._compat", "npugraph_runtime.errors", "npugraph_runtime.schema",
+                 "npugraph_runtime.spans")
 
 DEVICES_DIR = Path(npugraph_runtime.devices.__file__).parent
 PACKAGE_DIR = DEVICES_DIR.parent

@@ -16,15 +16,10 @@ from npugraph_runtime.devices.base import DeviceGraph, PoolHandle
 from npugraph_runtime.devices.cpu import CpuGraph
 from npugraph_runtime.errors import CaptureError, PolicyError
 from npugraph_runtime.graphs import Graph, graph
-from npugraph_runtime.inputs import (
-    WriteWatch,
-    bytes_overlap,
-    mirror,
-    non_overlapping,
-    storage_ptr,
-)
+from npugraph_runtime.inputs import WriteWatch, mirror, non_overlapping, storage_ptr
 from npugraph_runtime.keys import Args, Key
 from npugraph_runtime.outputs import Holds, OutputPlan
+from npugraph_runtime.spans import bytes_overlap
 from npugraph_runtime.spec import CapturePolicy, InputSpec, SlotKind
 
 __all__ = ["CAPTURE_RANGE", "Capture", "Slots", "capture_runs_fn", "record", "tensor", "warm_up"]

@@ -11,6 +11,7 @@ import torch
 from npugraph_runtime._compat import TorchDispatchMode, op_base_name
 from npugraph_runtime.errors import PolicyError
 from npugraph_runtime.schema import write_positions
+from npugraph_runtime.spans import byte_span
 
 _data_ptr = torch.Tensor.data_ptr
 _stride = torch.Tensor.stride
@@ -83,22 +84,6 @@ def _flat_tensors(values: Sequence[object]) -> list[torch.Tensor]:
     return found
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes ``t`` may touch, [first, last + 1) (empty for no elements)."""
-    if t.numel() == 0:
-        return 0, 0
-    start = t.data_ptr()
-    reach = sum((n - 1) * d for n, d in zip(t.shape, t.stride(), strict=True))
-    return start, start + (reach + 1) * t.element_size()
-
-
-def bytes_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """The byte ranges ``a`` and ``b`` may touch intersect (disjoint views of one storage, e.g.
-    a cache and a scratch input cut from one arena, do not)."""
-    (a_lo, a_hi), (b_lo, b_hi) = _span(a), _span(b)
-    return a_lo < b_hi and b_lo < a_hi
-
-
 def refiller(
     buffers: Sequence[torch.Tensor],
     copy: Callable[[list[torch.Tensor], Sequence[torch.Tensor]], object],
@@ -122,11 +107,11 @@ def refiller(
     def refill(sources: Sequence[torch.Tensor]) -> None:
         dsts: list[torch.Tensor] = []
         srcs: list[torch.Tensor] = []
-        live = [_span(src) for src in sources]
+        live = [byte_span(src) for src in sources]
         for slot, buf, ptr, stride, src in zip(slots, buffers, ptrs, strides, sources, strict=True):
             if src.data_ptr() == ptr and src.stride() == stride:
                 continue
-            lo, hi = _span(buf)
+            lo, hi = byte_span(buf)
             if any(a < hi and lo < b for a, b in live):
                 raise PolicyError(
                     f"clone_input=False: input {slot}'s capture buffer is the tensor given as "

@@ -6,7 +6,8 @@ leaf modules of the runtime, which import nothing of ours but one another:
 
 * ``npugraph_runtime.errors`` (the error types),
 * ``npugraph_runtime._compat`` (private torch APIs),
-* ``npugraph_runtime.schema`` (reading an operator's schema).
+* ``npugraph_runtime.schema`` (reading an operator's schema),
+* ``npugraph_runtime.spans`` (the bytes a tensor may touch).
 
 Everything else of the runtime (graphs, streams, ops, core_limit, inputs, manager, ...) sits above
 and may import devices/, never the reverse; ``tests/test_layering.py`` checks it. The backends

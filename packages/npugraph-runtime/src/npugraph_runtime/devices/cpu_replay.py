@@ -21,6 +21,7 @@ from npugraph_runtime import _compat
 from npugraph_runtime.devices.cpu_collectives import Emitter, work_path
 from npugraph_runtime.devices.cpu_kernels import Kind, cheapest, public_binding
 from npugraph_runtime.devices.cpu_recorder import Step, TensorEntry, TRef
+from npugraph_runtime.spans import bytes_overlap
 
 
 class _Names:
@@ -145,22 +146,6 @@ _CAT = torch.ops.aten.cat.default
 _INTO_SLICE = frozenset({torch.ops.aten.neg.default})
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """The bytes ``t`` can touch (intermediates share one pool storage, so not the storage's)."""
-    if t.numel() == 0:
-        return 0, 0
-    if any(s < 0 for s in t.stride()):  # pragma: no cover - torch has no negative strides today
-        storage = t.untyped_storage()
-        return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
-    extent = sum((n - 1) * s for n, s in zip(t.size(), t.stride(), strict=True)) + 1
-    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    (a0, a1), (b0, b1) = _span(a), _span(b)
-    return a0 < b1 and b0 < a1
-
-
 def _cat_slices(step: Step, kind: Kind, res: _Resolver) -> list[tuple[Any, torch.Tensor]] | None:
     """A cat with an out= kernel as one ``copy_`` per input into its slice of the output (a cat
     of tensors of the output's dtype is a copy of their bytes, in less time than the cat kernel
@@ -188,7 +173,7 @@ def _cat_slices(step: Step, kind: Kind, res: _Resolver) -> list[tuple[Any, torch
             or t.dim() != out.dim()
             or t.size(dim) == 0
             or any(t.size(d) != out.size(d) for d in range(out.dim()) if d != dim)
-            or _overlaps(t, out)
+            or bytes_overlap(t, out)
         ):
             return None
         slices.append((ref, out.narrow(dim, offset, t.size(dim))))
@@ -230,7 +215,7 @@ def _split_cats(
         out = slices[0][1]
         sources = [res.value(a) for a in (*prev.args, *prev.kwargs.values())]
         if len(hits) != 1 or any(
-            isinstance(t, torch.Tensor) and _overlaps(t, out) for t in sources
+            isinstance(t, torch.Tensor) and bytes_overlap(t, out) for t in sources
         ):
             continue
         into[i - 1] = slices[hits[0]][1]
