@@ -122,3 +122,9 @@ def test_not_functional_keeps_the_eager_warmup() -> None:
     g = ngr.make_graphed_callable(fn, (torch.randn(3),))
     g(torch.randn(3))
     assert len(runs) == 2  # warmup (the call's result) + capture
+
+
+def test_functional_must_be_a_bool() -> None:
+    spec = InputSpec.infer((torch.randn(4),), (), ())
+    with pytest.raises(ngr.PolicyError, match=r"functional must be True or False, got 'yes'"):
+        ngr.GraphedCallable(torch.neg, spec, CapturePolicy(), functional="yes")  # type: ignore[arg-type]

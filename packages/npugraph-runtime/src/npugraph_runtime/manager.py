@@ -108,6 +108,10 @@ class GraphedCallable:
         output_spec: OutputSpec | None = None,
         functional: bool = False,
     ) -> None:
+        if not isinstance(functional, bool):
+            # a truthy non-bool would turn on semantics fn may not have
+            raise PolicyError(
+                f"GraphedCallable: functional must be True or False, got {functional!r}")
         self._fn = fn
         self._functional = functional
         self._spec = spec
