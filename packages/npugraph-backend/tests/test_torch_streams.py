@@ -190,3 +190,84 @@ def test_a_loaded_multistream_graph_has_events_of_its_own(
     for _ in range(5):
         args = _inputs()
         torch.testing.assert_close(loaded.compiled(args), [reference(*args)])
+
+
+class _FakeGpuEvent:
+    """Stands in for a GPU torch.Event (no GPU here): records when it is waited on."""
+
+    device = torch.device("cuda")
+
+    def __init__(self, log: list[str]) -> None:
+        self.log = log
+
+    def wait(self) -> None:
+        self.log.append("wait")
+
+
+def test_a_wait_on_work_from_before_the_graph_is_issued_before_every_call() -> None:
+    from npugraph_backend.torch_streams import ExternalWait, with_external_waits
+
+    log: list[str] = []
+
+    def compiled(args: list[torch.Tensor]) -> list[torch.Tensor]:
+        log.append("graph")
+        return [args[0] + 1]
+
+    compiled._boxed_call = True  # type: ignore[attr-defined]
+    call = with_external_waits(compiled, [ExternalWait(_FakeGpuEvent(log))])
+    assert call._boxed_call  # dynamo still passes one list
+    for i in range(3):
+        torch.testing.assert_close(call([torch.full((2,), float(i))]), [torch.full((2,), i + 1.0)])
+    assert log == ["wait", "graph"] * 3
+    assert with_external_waits(compiled, []) is compiled
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
+def test_a_compiled_wait_on_an_event_recorded_before_the_call_orders_the_replay(
+    counter: Callable[[str], int],
+) -> None:
+    side = torch.cuda.Stream()
+    done = torch.cuda.Event()
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        done.wait(torch.cuda.current_stream())
+        return x * 2
+
+    compiled = _compile(fn)
+    x = torch.zeros(1 << 20, device="cuda")
+    for i in range(6):
+        src = torch.full_like(x, float(i + 1))
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(20_000_000)  # the write lands long after the call is issued
+            x.copy_(src)
+        done.record(side)
+        torch.testing.assert_close(compiled(x), src * 2)
+    assert counter("captured_") == 1
+
+
+def test_a_compiled_wait_on_an_accelerator_event_never_recorded_in_the_graph_becomes_an_external_wait(
+    counter: Callable[[str], int], monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The event is a CPU torch.Event to dynamo; to the rewrite it is a GPU event we do not have
+    # (the fake above), as it would be on a GPU machine.
+    from npugraph_backend import torch_streams
+
+    before = torch.Event("cpu")
+    log: list[str] = []
+    fake = _FakeGpuEvent(log)
+    lookup = torch_streams._compat.external_object
+    monkeypatch.setattr(torch_streams._compat, "external_object",
+                        lambda i: fake if isinstance(lookup(i), torch.Event) else lookup(i))
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        before.wait(MAIN)
+        return x * 2
+
+    compiled = _compile(fn)
+    for i in range(5):
+        x = torch.randn(8)
+        torch.testing.assert_close(compiled(x), x * 2)
+        assert log == ["wait"] * (i + 1)
+    assert counter("captured_") == 1

@@ -26,7 +26,11 @@ from npugraph_backend.compiler import (
 )
 from npugraph_backend.config import CompilerConfig, OptionError
 from npugraph_backend.logs import log
-from npugraph_backend.torch_streams import rewrite_torch_streams
+from npugraph_backend.torch_streams import (
+    EXTERNAL_WAITS,
+    rewrite_torch_streams,
+    with_external_waits,
+)
 
 
 class ModeIgnoredWarning(UserWarning):
@@ -80,7 +84,7 @@ def npugraph_ex_backend(
         )
         _compat.counters()[fallback_counter(REQUIRES_GRAD)] += 1
         log.info("dynamo graph runs eagerly: grad mode on, inputs %s require grad", needs_grad)
-        return gm.forward
+        return with_external_waits(gm.forward, gm.meta.get(EXTERNAL_WAITS, []))
 
     training = EagerCompiler("needs gradients")
     # Serializable output when torch asks for it (bundled AOTAutograd cache, aot_compile): see
@@ -91,7 +95,7 @@ def npugraph_ex_backend(
         config, training, ForwardCompiler(config, begin_debug(gm))
     )
     with cache_tag:
-        return _compat.aot_module_simplified(  # type: ignore[no-any-return]
+        compiled = _compat.aot_module_simplified(
             gm,
             example_inputs,
             fw_compiler=fw_compiler,  # only reached if AOT builds a training graph after all
@@ -100,3 +104,4 @@ def npugraph_ex_backend(
             decompositions=decompositions,
             keep_inference_input_mutations=True,
         )
+    return with_external_waits(compiled, gm.meta.get(EXTERNAL_WAITS, []))

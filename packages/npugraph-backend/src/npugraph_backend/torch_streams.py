@@ -16,9 +16,14 @@ and event objects. :func:`rewrite_torch_streams` rewrites both into what
   the emulated graph, with its race detection, as a side stream would be on a GPU; one that is only
   recorded on or waited by is the current stream it equals, i.e. the graph's own;
 * ``Event.record(s)`` / ``Stream.record_event()`` -> a token recorded on ``s``; ``Event.wait(s)``
-  -> ``s`` waits for the event's last record in the graph (an event recorded before the graph
-  started orders nothing inside it and is dropped); ``a.wait_stream(b)`` -> a record on ``b`` that
-  ``a`` waits for;
+  -> ``s`` waits for the event's last record in the graph; ``a.wait_stream(b)`` -> a record on
+  ``b`` that ``a`` waits for;
+* a wait on work from before the graph (an accelerator event the graph never recorded, or
+  ``a.wait_stream(b)`` before the graph ran anything on ``b``) cannot be captured: a device graph
+  holds no dependency on work outside it. It becomes an *external wait* that the compiled
+  function issues before every call, on the stream current then (which the whole replay follows:
+  conservative, never racy). On the CPU, where every recorded event is already complete, there is
+  nothing to wait for;
 * ``Tensor.record_stream`` and dynamo's deallocation syncs are dropped: the captured graph keeps
   every tensor it uses alive until the graph itself is released;
 * ``synchronize()`` of an event, stream or device is a host wait, which no device graph can hold:
@@ -31,6 +36,7 @@ makes that a clear graph break (an error under ``fullgraph=True``) naming what t
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -94,6 +100,8 @@ class _Rewriter:
         self.labels: dict[int, str | None] = {}
         self.tokens: dict[int, torch.fx.Node] = {}  # event index -> token of its last record
         self.open: str | None = None  # label of the annotation scope open before the next node
+        self.active: set[str] = set()  # side-stream labels that ran or recorded something so far
+        self.external: list[ExternalWait] = []
         self.ops: Any = torch.ops.npugraph_ex
 
     def label(self, index: int) -> str | None:
@@ -128,6 +136,7 @@ class _Rewriter:
             self._exit(before)
         if label is not None:
             self._enter(before, label)
+            self.active.add(label)
         self.open = label
 
     def on(self, before: torch.fx.Node, stream_index: Any, target: Any, args: Any) -> torch.fx.Node:
@@ -144,7 +153,13 @@ class _Rewriter:
             token = self.tokens.get(int(args[0]))  # type: ignore[arg-type]
             if token is not None:
                 self.on(node, args[1], self.ops.wait.default, ([token],))
+            elif name == "wait_event":
+                self._external(_compat.external_object(int(args[0])))  # type: ignore[arg-type]
         elif name == "wait_stream":
+            waited = args[1]
+            label = self.label(waited) if isinstance(waited, int) else None
+            if label is not None and label not in self.active:
+                self._external(_compat.external_object(waited))  # type: ignore[arg-type]
             token = self.on(node, args[1], self.ops.record.default, ())
             self.on(node, args[0], self.ops.wait.default, ([token],))
         elif name in _HOST_SYNCS:
@@ -159,6 +174,11 @@ class _Rewriter:
                 "npugraph_ex; use with-stream blocks, Event.record/wait and Stream.wait_stream"
             )
         self.graph.erase_node(node)
+
+    def _external(self, obj: object) -> None:
+        device = getattr(obj, "device", None)
+        if isinstance(device, torch.device) and device.type != "cpu":
+            self.external.append(ExternalWait(obj))
 
     def run(self) -> None:
         for node in list(self.graph.nodes):
@@ -179,14 +199,60 @@ class _Rewriter:
             self.switch(node, self.label(index) if index is not None else None)
 
 
+class ExternalWait:
+    """One wait of a compiled graph on work from before it: an accelerator ``torch.Event``
+    (``Event.wait``) or ``Stream`` (``wait_stream``) of the user's, waited on by the stream that is
+    current when the compiled function is called."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: object) -> None:
+        self.obj = obj
+
+    def __call__(self) -> None:
+        obj: Any = self.obj
+        if isinstance(obj, torch.Stream):
+            torch.accelerator.current_stream(obj.device).wait_stream(obj)
+        else:
+            obj.wait()
+
+    def __repr__(self) -> str:
+        return f"ExternalWait({self.obj!r})"
+
+
+def with_external_waits(
+    compiled: Callable[..., Any], waits: list[ExternalWait]
+) -> Callable[..., Any]:
+    """``compiled`` issuing ``waits`` before each call (the backend's result for a graph that
+    waits on work from before it), with the calling convention dynamo reads kept."""
+    if not waits:
+        return compiled
+
+    def call(*args: Any) -> Any:
+        for wait in waits:
+            wait()
+        return compiled(*args)
+
+    call._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
+    call.external_waits = tuple(waits)  # type: ignore[attr-defined]
+    return call
+
+
+EXTERNAL_WAITS = "npugraph_ex_external_waits"
+
+
 def rewrite_torch_streams(gm: torch.fx.GraphModule) -> bool:
     """Rewrite dynamo's stream annotations and ``torch.ops.streams`` ops of ``gm`` (a dynamo
-    graph) into npugraph_ex scope ops, in place. Returns whether anything changed."""
+    graph) into npugraph_ex scope ops, in place. Returns whether anything changed. Waits on work
+    from before the graph are left in ``gm.meta[EXTERNAL_WAITS]`` for the backend to issue."""
     nodes = list(gm.graph.nodes)
     with_streams = {i for n in nodes if n.op in _COMPUTE and (i := _annotation(n)) is not None}
     if not with_streams and not any(_compat.stream_op_name(n) for n in nodes):
         return False
-    _Rewriter(gm, with_streams).run()
+    rewriter = _Rewriter(gm, with_streams)
+    rewriter.run()
+    if rewriter.external:
+        gm.meta[EXTERNAL_WAITS] = rewriter.external
     for node in gm.graph.nodes:
         custom = node.meta.get("custom")
         if isinstance(custom, dict) and "stream" in custom:
