@@ -46,8 +46,12 @@ class Slots:
         self.mutated = [i for i, k in enumerate(kinds) if k is SlotKind.MUTATED]
         self.static = [i for i, k in enumerate(kinds) if k is SlotKind.STATIC]
         self.constant = [i for i, k in enumerate(kinds) if k is SlotKind.CONSTANT]
-        # Inputs the graph uses in place whose address the replay path checks.
-        checked_static = self.static if policy.check_static_addresses else self.static[:1]
+        # Inputs the graph uses in place whose address the replay path checks. Unchecked
+        # (frozen_parameter), the first and the last static input stand for the instance: two,
+        # since instances of one class often share the first one (a class-attribute tensor, a
+        # shared submodule used first) or the last, and a shared one cannot tell them apart.
+        checked_static = (self.static if policy.check_static_addresses
+                          else sorted({*self.static[:1], *self.static[-1:]}))
         self.watched = sorted(self.mutated + checked_static)
 
 

@@ -70,8 +70,9 @@ class GraphedCallable:
     The addresses of static inputs select the capture: one FX graph serves every instance of a
     module class, so each distinct set of static addresses gets its own capture of the key,
     kept beside the others (up to ``capture_limit``). With ``check_static_addresses=False`` only
-    the first static input's address is checked (one representative per instance): a re-bound
-    static input other than the first goes unnoticed. Mutated inputs' addresses select the
+    the first and the last static input's addresses are checked (the representatives of an
+    instance): a re-bound static input between them goes unnoticed, and so do instances that
+    share both (a class-attribute tensor used first and a shared submodule used last). Mutated inputs' addresses select the
     capture too while the caller keeps the earlier tensors (requests with their own KV caches);
     a capture whose mutated tensors the caller dropped is the one replaced.
 
