@@ -107,6 +107,11 @@ def output_plan(
         j = declared[pos] if pos < len(declared) else None
         if j is None:
             j = next((i for i, a in enumerate(cap_args) if same_view(o, a)), None)
+        if j is None:
+            # a view of an input used in place (cache[0], weight.t()): eager returns that view
+            # of the caller's tensor, so clone_output must not clone it
+            j = next((i for i in sorted(in_place)
+                      if same_storage(o, cap_args[i])), None)  # type: ignore[arg-type]
         hit = user_buffers.get(storage_ptr(o))
         if j is not None and same_view(o, cap_args[j]):
             alias.append((pos, j))
