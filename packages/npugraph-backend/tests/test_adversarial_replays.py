@@ -95,3 +95,48 @@ def test_instances_sharing_their_first_static_input_replay_their_own_weights(
     replays_match_eager(run(cls.forward), run(block), lambda i: (torch.randn(4, 16),))
     assert counter("capture_due_to_new_key_") == 1
     assert counter("recapture_due_to_static_input_change_") >= 2
+
+
+# ---- graph breaks inside repeated layers ---------------------------------------------------
+class BreakingLayer(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.relu(self.a(x))
+        if self.how == "item":
+            h = h * (1.0 if h.sum().item() > 0 else -1.0)
+        elif self.how == "branch":
+            h = h * 2 if h.mean() > 0.2 else h - 1
+        else:
+            print(end="")
+        return self.b(h) + x, h
+
+
+class BreakingStack(nn.Module):
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(BreakingLayer(how) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        outs = []
+        for layer in self.layers:
+            x, h = layer(x)
+            outs += [x, h]
+        return outs
+
+
+@pytest.mark.parametrize(("how", "options"), [
+    ("print", {}), ("item", {"frozen_parameter": True}), ("branch", {"clone_output": True}),
+    ("print", {"clone_input": False}), ("item", {"clone_input": False}),
+])
+def test_graph_broken_layers_keep_every_output(how: str, options: dict[str, Any],
+                                               counter: Callable[[str], int]) -> None:
+    # each layer's graphs feed the next ones; every layer's results are kept. Under
+    # clone_input=False the second graph once adopted the first graph's result as its input
+    # buffer, and the next call's refill overwrote the kept result
+    model = BreakingStack(how).eval()
+    replays_match_eager(model, _compile(model, **options), lambda i: (torch.randn(4, 16),))
+    assert counter("capture_due_to_new_key_") >= 2

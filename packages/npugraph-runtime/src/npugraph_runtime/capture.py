@@ -18,7 +18,7 @@ from npugraph_runtime.errors import CaptureError, PolicyError
 from npugraph_runtime.graphs import Graph, graph
 from npugraph_runtime.inputs import WriteWatch, mirror, non_overlapping, storage_ptr
 from npugraph_runtime.keys import Args, Key
-from npugraph_runtime.outputs import Holds, OutputPlan
+from npugraph_runtime.outputs import Holds, OutputPlan, is_result
 from npugraph_runtime.spans import bytes_overlap
 from npugraph_runtime.spec import CapturePolicy, InputSpec, SlotKind
 
@@ -216,7 +216,9 @@ def _buffers(
     and no two of its elements overlap; otherwise it is an owned copy with the caller's
     layout (made dense), so that refilling it never writes memory another input (or another
     element) is read from. A ``mirrored`` input's buffer copies the caller's whole storage
-    at the caller's offset and strides (the graph reads it through as_strided)."""
+    at the caller's offset and strides (the graph reads it through as_strided). A tensor that
+    a capture returned (the previous graph's result across a graph break) is never adopted
+    either: a later call's refill would overwrite a result the caller may still hold."""
     mutated = {storage_ptr(tensor(args, i)): i for i in slots.mutated}
     for i in slots.user:
         # a user input read through as_strided may reach any byte of its storage; another
@@ -245,7 +247,8 @@ def _buffers(
         if i in mirrored:
             x = mirror(x)
             cap_args[i] = x
-        elif policy.clone_input or (ptr and ptr in taken) or not non_overlapping(x):
+        elif (policy.clone_input or (ptr and ptr in taken) or not non_overlapping(x)
+              or is_result(x)):
             # the graph may depend on the input's layout (a traced view): keep its strides
             # when dense, else dense strides in the same dim order
             x = torch.empty_like(x, memory_format=torch.preserve_format).copy_(x)

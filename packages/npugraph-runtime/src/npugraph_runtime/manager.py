@@ -38,7 +38,7 @@ from npugraph_runtime.errors import CaptureError, PolicyError
 from npugraph_runtime.graphs import as_pool_handle, graph_pool_handle
 from npugraph_runtime.inputs import mirror_filler, refiller
 from npugraph_runtime.keys import Args, Key, key_function, picker
-from npugraph_runtime.outputs import OutputPlan, output_plan
+from npugraph_runtime.outputs import OutputPlan, note_result, output_plan
 from npugraph_runtime.selection import choose
 from npugraph_runtime.spec import CapturePolicy, InputSpec, OutputSpec, SlotKind
 
@@ -335,6 +335,7 @@ class GraphedCallable:
                 return cap.plan.own(args)
             return self._fn(*args)
         if result is not _NO_RESULT:
+            note_result(result)  # the warmup's result is the call's, as a replay's would be
             return result
         result = cap.replay(args)
         if result is _MISS:
