@@ -7,6 +7,7 @@ is compared again after the later ones; a capture must have happened (counters).
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,7 +30,8 @@ def _flat(out: object) -> list[torch.Tensor]:
 def replays_match_eager(eager: Callable[..., object], compiled: Callable[..., object],
                         make: Callable[[int], Sequence[object]], calls: int = CALLS) -> None:
     """Each call's outputs and inputs equal eager's (given copies of the inputs); every output
-    kept from an earlier call still equals what eager returned for it."""
+    kept from an earlier call still equals eager's output of that call (a view of a buffer the
+    later calls update changes in both)."""
     kept: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
     for i in range(calls):
         args = make(i)
@@ -41,7 +43,7 @@ def replays_match_eager(eager: Callable[..., object], compiled: Callable[..., ob
             torch.testing.assert_close(g, w)
         for g, w in zip(_flat(list(args)), _flat(list(eager_args)), strict=True):
             torch.testing.assert_close(g, w)  # inputs written by the graph, as eager wrote them
-        kept.append((got, [w.clone() for w in want]))
+        kept.append((got, want))
         for outs, wants in kept:
             for g, w in zip(outs, wants, strict=True):
                 torch.testing.assert_close(g, w)
@@ -139,4 +141,139 @@ def test_graph_broken_layers_keep_every_output(how: str, options: dict[str, Any]
     # buffer, and the next call's refill overwrote the kept result
     model = BreakingStack(how).eval()
     replays_match_eager(model, _compile(model, **options), lambda i: (torch.randn(4, 16),))
+    assert counter("capture_due_to_new_key_") >= 2
+
+
+# ---- outputs kept across calls ---------------------------------------------------------------
+W = torch.randn(16, 16)
+
+
+def views_and_repeats(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    y = torch.relu(x @ W)
+    return x[1:], x.t(), y, y, y[:, :4], y.t()  # views of the input, of each other, twice
+
+
+def decode_step(tok: torch.Tensor, cache: torch.Tensor, pos: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    cache.index_copy_(0, pos, tok)
+    return torch.softmax(cache @ W, -1).sum(0, keepdim=True), cache[:2]
+
+
+@pytest.mark.parametrize("options", [{}, {"clone_output": True}, {"frozen_parameter": True}])
+def test_outputs_viewing_inputs_and_each_other_are_kept(options: dict[str, Any],
+                                                        counter: Callable[[str], int]) -> None:
+    replays_match_eager(views_and_repeats, _compile(views_and_repeats, **options),
+                        lambda i: (torch.randn(4, 16),))
+    assert counter("capture_due_to_new_key_") == 1
+
+
+@pytest.mark.parametrize("options", [{}, {"clone_output": True}])
+@torch.no_grad()
+def test_decode_loop_feeds_outputs_back_and_keeps_them_all(options: dict[str, Any],
+                                                           counter: Callable[[str], int]) -> None:
+    step = _compile(decode_step, **options)
+    cache, want_cache = torch.zeros(8, 16), torch.zeros(8, 16)
+    tok = want_tok = torch.randn(1, 16)
+    kept = []
+    for i in range(8):
+        pos = torch.tensor([i])
+        got, want = step(tok, cache, pos), decode_step(want_tok, want_cache, pos)
+        torch.testing.assert_close(cache, want_cache)
+        kept.append((got, want))
+        for g, w in kept:
+            torch.testing.assert_close(g, w)
+        (tok, _), (want_tok, _) = got, want
+    assert counter("capture_due_to_new_key_") == 1
+
+
+# ---- inputs that are views -----------------------------------------------------------------
+def read_two(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return a @ W + b.sum(), a * 2, b + 1
+
+
+def _views(base: torch.Tensor, how: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if how == "overlapping":
+        return base[0:8], base[4:12]
+    if how == "transposed":
+        return base[:, :8].t(), base[:8, 8:].t()
+    if how == "expanded":
+        return base[0:1].expand(8, 16), base[1].expand(8, 16)
+    if how == "offset":
+        return base.view(-1)[7:135].view(8, 16), base[3:11]
+    return base[:8], base[:8]  # the same tensor twice
+
+
+@pytest.mark.parametrize("clone_input", [True, False])
+@pytest.mark.parametrize("how", ["overlapping", "transposed", "expanded", "offset", "same"])
+def test_view_inputs_match_eager(how: str, clone_input: bool, counter: Callable[[str], int]) -> None:
+    replays_match_eager(read_two, _compile(read_two, clone_input=clone_input),
+                        lambda i: _views(torch.randn(16, 16), how))
+    assert counter("capture_due_to_new_key_") == 1
+
+
+def write_into_views(buf: torch.Tensor, cache: torch.Tensor, idx: torch.Tensor,
+                     x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    buf[:, 2:6].copy_(x[:, :4])
+    cache.index_copy_(0, idx, x[:2])
+    return buf.sum(1), cache * 2
+
+
+@pytest.mark.parametrize("clone_input", [True, False])
+def test_graph_writes_into_offset_views_of_inputs(clone_input: bool,
+                                                  counter: Callable[[str], int]) -> None:
+    def make(i: int) -> tuple[torch.Tensor, ...]:
+        return (torch.randn(12, 16)[2:10], torch.randn(20, 16)[3:13],
+                torch.tensor([i % 10, (i + 3) % 10]), torch.randn(8, 16))
+
+    replays_match_eager(write_into_views, _compile(write_into_views, clone_input=clone_input),
+                        make)
+    assert counter("capture_due_to_new_key_") == 1
+
+
+# ---- threads and options ---------------------------------------------------------------------
+class Accumulating(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+        self.register_buffer("acc", torch.zeros(16))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.acc.add_(x.mean(0))
+        y = torch.relu(self.proj(x)) + self.acc
+        return y, y[:2], self.acc
+
+
+@pytest.mark.parametrize("options", [
+    {"force_recapture": True}, {"capture_limit": 1}, {"reuse_graph_pool_in_same_fx": False},
+    {"frozen_parameter": True, "clone_input": False, "clone_output": True},
+])
+def test_options_keep_replays_and_buffers_equal_to_eager(options: dict[str, Any],
+                                                          counter: Callable[[str], int]) -> None:
+    model = Accumulating().eval()
+    compiled_model = copy.deepcopy(model)
+    replays_match_eager(model, _compile(compiled_model, **options),
+                        lambda i: (torch.randn(4, 16),))
+    torch.testing.assert_close(compiled_model.acc, model.acc)
+    assert counter("capture_due_to_new_key_") == 1
+
+
+def test_threads_keep_their_outputs(counter: Callable[[str], int]) -> None:
+    model = BreakingStack("print").eval()
+    compiled = _compile(model)
+    compiled(torch.randn(4, 16))
+    failures: list[BaseException] = []
+
+    def work(seed: int) -> None:
+        torch.manual_seed(seed)
+        try:
+            replays_match_eager(model, compiled, lambda i: (torch.randn(4, 16),))
+        except BaseException as e:  # reported by the main thread
+            failures.append(e)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures[0]
     assert counter("capture_due_to_new_key_") >= 2
