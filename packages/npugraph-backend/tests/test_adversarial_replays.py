@@ -145,6 +145,24 @@ def test_graph_broken_layers_keep_every_output(how: str, options: dict[str, Any]
     assert counter("capture_due_to_new_key_") >= 2
 
 
+@pytest.mark.parametrize("clone_output", [False, True])
+def test_instances_with_a_graph_break_keep_outputs_under_clone_input_false(
+        clone_output: bool, counter: Callable[[str], int]) -> None:
+    # the second instance's capture of the graph after the break adopted that call's input (the
+    # first graph's result, a clone under clone_output) as its buffer: the next call's refill
+    # overwrote a result the caller kept
+    layers = [BreakingLayer("print").eval() for _ in range(3)]
+    layer_forward = _compile(BreakingLayer.forward, clone_input=False, clone_output=clone_output)
+
+    def run(f: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+            ) -> Callable[[torch.Tensor], list[torch.Tensor]]:
+        return lambda x: [t for layer in layers for t in f(layer, x)]
+
+    replays_match_eager(run(BreakingLayer.forward), run(layer_forward),
+                        lambda i: (torch.randn(4, 16),))
+    assert counter("recapture_due_to_static_input_change_") >= 2
+
+
 # ---- outputs kept across calls ---------------------------------------------------------------
 W = torch.randn(16, 16)
 
