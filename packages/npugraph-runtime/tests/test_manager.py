@@ -170,19 +170,32 @@ def test_a_different_cpu_core_limit_reuses_the_capture(layer: torch.nn.Linear) -
     assert counters().get("recapture_due_to_core_limit_change_cores", 0) == 0
 
 
-def test_frozen_checks_only_the_first_static_address(layer: torch.nn.Linear) -> None:
-    # check_static_addresses=False (frozen_parameter): the first static input stands for the
-    # instance; a re-bound second one is the documented blind spot
-    fn = ngr.make_graphed_callable(linear_relu, (torch.randn(4, 16), layer.weight, layer.bias),
-                                   static_argnums=(1, 2), check_static_addresses=False)
+def scaled_linear_relu(x: torch.Tensor, scale: torch.Tensor, w: torch.Tensor,
+                       b: torch.Tensor) -> torch.Tensor:
+    return torch.relu(torch.nn.functional.linear(x * scale, w, b))
+
+
+@pytest.mark.parametrize("rebound", ["first", "last"])
+def test_frozen_checks_the_first_and_last_static_address(layer: torch.nn.Linear,
+                                                        rebound: str) -> None:
+    # check_static_addresses=False (frozen_parameter): the first and the last static input
+    # stand for the instance; a re-bound one between them is the documented blind spot
+    scale = torch.rand(16)
+    fn = ngr.make_graphed_callable(scaled_linear_relu,
+                                   (torch.randn(4, 16), scale, layer.weight, layer.bias),
+                                   static_argnums=(1, 2, 3), check_static_addresses=False)
     x = torch.randn(4, 16)
     with torch.no_grad():
-        fn(x, layer.weight, layer.bias)
-        layer.bias.data = torch.randn(8)
-        fn(x, layer.weight, layer.bias)
-        assert [e.reason for e in fn.events] == ["new_key"]
+        fn(x, scale, layer.weight, layer.bias)
         layer.weight.data = torch.randn(8, 16)
-        torch.testing.assert_close(fn(x, layer.weight, layer.bias), linear_relu(x, layer.weight, layer.bias))
+        fn(x, scale, layer.weight, layer.bias)
+        assert [e.reason for e in fn.events] == ["new_key"]
+        if rebound == "first":
+            scale = torch.rand(16)
+        else:
+            layer.bias.data = torch.randn(8)
+        torch.testing.assert_close(fn(x, scale, layer.weight, layer.bias),
+                                   scaled_linear_relu(x, scale, layer.weight, layer.bias))
     assert [e.reason for e in fn.events] == ["new_key", "static_input_change"]
 
 

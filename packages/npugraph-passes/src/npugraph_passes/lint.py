@@ -10,6 +10,7 @@ execution with one warning.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from npugraph_passes._compat import OpOverload, op_schema
+from npugraph_passes._compat import HigherOrderOperator, OpOverload, op_schema
 
 META_KEY = "npugraph_ex_unsafe_nodes"
 
@@ -26,6 +27,8 @@ _HOST_SYNC = "host sync (reads a tensor value back to the host)"
 _DATA_SHAPE = "data-dependent output shape"
 _RNG = "random number generation (the host generator state is baked in at capture)"
 _CPU = "CPU tensor inside a {device} graph"
+_CONTROL_FLOW = ("data-dependent control flow (a tensor decides which ops run: a replay would "
+                 "repeat the captured branch or trip count)")
 
 _SCALAR_RETURNS = frozenset({"number", "bool", "int", "float", "Scalar", "complex"})
 _METADATA_OPS = frozenset({"dim", "size", "stride", "numel", "is_contiguous", "storage_offset",
@@ -113,8 +116,23 @@ def _draws_random(node: torch.fx.Node, target: Any) -> bool:
     return not (has_p and isinstance(p, (int, float)) and p == 0)
 
 
+def _control_flow_reason(node: torch.fx.Node, target: Any) -> str | None:
+    """``while_loop`` always tests a tensor; ``cond`` does unless its predicate is a Python or
+    symbolic bool (a shape test, fixed for each graph key)."""
+    name = target.name()
+    if name == "while_loop":
+        return _CONTROL_FLOW
+    if name == "cond" and node.args:
+        pred = node.args[0]
+        if isinstance(pred, torch.fx.Node) and isinstance(pred.meta.get("val"), torch.Tensor):
+            return _CONTROL_FLOW
+    return None
+
+
 def _op_reason(node: torch.fx.Node) -> str | None:
     target = node.target
+    if isinstance(target, HigherOrderOperator):
+        return _control_flow_reason(node, target)
     if not isinstance(target, OpOverload):
         if target in (torch.Tensor.item, torch.Tensor.tolist):
             return _HOST_SYNC
@@ -180,6 +198,12 @@ def find_unsafe_nodes(gm: torch.fx.GraphModule) -> list[UnsafeNode]:
     device = _graph_device(gm.graph)
     host_varying: set[torch.fx.Node] = set()
     found: list[UnsafeNode] = []
+    for name, sub in gm.named_children():
+        # the bodies of higher-order operators (invoke_subgraph, scan, ...): their ops run in
+        # the same capture
+        if isinstance(sub, torch.fx.GraphModule):
+            found += [dataclasses.replace(u, name=f"{name}.{u.name}")
+                      for u in find_unsafe_nodes(sub)]
     for node in gm.graph.nodes:
         reason: str | None = None
         if node.op == "call_function":

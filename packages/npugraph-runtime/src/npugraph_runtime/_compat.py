@@ -140,6 +140,39 @@ def wait_tensor_op() -> Callable[..., Any]:
     return op_entry(torch.ops._c10d_functional.wait_tensor.default)
 
 
+def is_higher_order(func: Any) -> bool:
+    """Checked on torch 2.13.0: higher-order operators are ``torch._ops.HigherOrderOperator``."""
+    return isinstance(func, torch._ops.HigherOrderOperator)
+
+
+def higher_order_body(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+                      ) -> Callable[[], Any] | None:
+    """Checked on torch 2.13.0: a ``torch._ops.HigherOrderOperator``'s eager implementation as a
+    call that may run under a dispatch mode, so that the mode sees the ATen ops of its body. The
+    CompositeExplicitAutograd kernel of most (while_loop, map_impl, flex_attention, with_effects,
+    auto_functionalized) runs the body; those of cond, scan and invoke_subgraph refuse an active
+    mode, so their body is called as that kernel would: ``invoke_subgraph(subgraph, identifier,
+    *operands)`` calls ``subgraph(*operands)``, ``cond(pred, true_fn, false_fn, operands)`` one
+    of the two, ``scan`` is ``torch._higher_order_ops.scan.generic_scan``. None for anything else
+    (an OpOverload, a HOP without an eager implementation)."""
+    if not is_higher_order(func):
+        return None
+    name = func.name()
+    if name == "invoke_subgraph":
+        return lambda: args[0](*args[2:])
+    if name == "cond" and len(args) == 4 and not kwargs:
+        return lambda: (args[1] if args[0] else args[2])(*args[3])
+    if name == "scan" and len(args) == 4 and not kwargs:
+        from torch._higher_order_ops.scan import generic_scan
+
+        return lambda: generic_scan(  # type: ignore[no-untyped-call]
+            args[0], args[1], args[2], additional_inputs=args[3])
+    kernel = func.py_kernels.get(torch._C.DispatchKey.CompositeExplicitAutograd)
+    if kernel is None:
+        return None
+    return lambda: kernel(*args, **kwargs)
+
+
 # --- manager.py: profiler ranges only while a profiler records ------------------------------------
 # torch.autograd.profiler._is_profiler_enabled: a module global every torch profiler sets on start
 # and clears on stop, so the hot path pays one attribute read. Checked on torch 2.13.0 (present

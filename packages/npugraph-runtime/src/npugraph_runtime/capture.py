@@ -18,7 +18,7 @@ from npugraph_runtime.errors import CaptureError, PolicyError
 from npugraph_runtime.graphs import Graph, graph
 from npugraph_runtime.inputs import WriteWatch, mirror, non_overlapping, storage_ptr
 from npugraph_runtime.keys import Args, Key
-from npugraph_runtime.outputs import Holds, OutputPlan
+from npugraph_runtime.outputs import Holds, OutputPlan, is_result
 from npugraph_runtime.spans import bytes_overlap
 from npugraph_runtime.spec import CapturePolicy, InputSpec, SlotKind
 
@@ -46,8 +46,12 @@ class Slots:
         self.mutated = [i for i, k in enumerate(kinds) if k is SlotKind.MUTATED]
         self.static = [i for i, k in enumerate(kinds) if k is SlotKind.STATIC]
         self.constant = [i for i, k in enumerate(kinds) if k is SlotKind.CONSTANT]
-        # Inputs the graph uses in place whose address the replay path checks.
-        checked_static = self.static if policy.check_static_addresses else self.static[:1]
+        # Inputs the graph uses in place whose address the replay path checks. Unchecked
+        # (frozen_parameter), the first and the last static input stand for the instance: two,
+        # since instances of one class often share the first one (a class-attribute tensor, a
+        # shared submodule used first) or the last, and a shared one cannot tell them apart.
+        checked_static = (self.static if policy.check_static_addresses
+                          else sorted({*self.static[:1], *self.static[-1:]}))
         self.watched = sorted(self.mutated + checked_static)
 
 
@@ -124,6 +128,7 @@ def record(
     fn: Callable[..., object], name: str, spec: InputSpec, policy: CapturePolicy, slots: Slots,
     key: Key, args: Args, device: torch.device, pool: PoolHandle | None,
     closure: Callable[[Capture], Callable[[Args], object]], as_call: bool = False,
+    adoptable: frozenset[int] | None = None,
 ) -> Capture:
     """Capture once; again, with mirrored buffers, when the graph turns out to read a user
     input through as_strided (at storage positions a dense buffer does not have). ``closure``
@@ -133,11 +138,14 @@ def record(
     call's, as an eager run would be: the writes of the capture that is kept stay, those of a
     capture made again (mirrored) or refused are undone first. Only writes to the mutated inputs
     may stay: if the run wrote any other tensor that existed before it, every write is undone and
-    ``ran`` stays False (the caller then runs the call eagerly)."""
+    ``ran`` stays False (the caller then runs the call eagerly).
+
+    ``adoptable`` (clone_input=False): the storages a user tensor may be adopted from as its
+    buffer; None: any (see _buffers)."""
     mirrored: frozenset[int] = frozenset()
     while True:
         g, out, cap_args, buffers, raw_reads = _record_once(
-            fn, name, spec, policy, slots, args, mirrored, device, pool, as_call)
+            fn, name, spec, policy, slots, args, mirrored, device, pool, as_call, adoptable)
         if raw_reads <= mirrored:
             break
         _undo(g)
@@ -170,9 +178,9 @@ def _undo(g: DeviceGraph) -> None:
 def _record_once(
     fn: Callable[..., object], name: str, spec: InputSpec, policy: CapturePolicy, slots: Slots,
     args: Args, mirrored: frozenset[int], device: torch.device, pool: PoolHandle | None,
-    as_call: bool,
+    as_call: bool, adoptable: frozenset[int] | None,
 ) -> tuple[DeviceGraph, object, list[object], list[torch.Tensor], frozenset[int]]:
-    cap_args, buffers = _buffers(name, policy, slots, args, mirrored)
+    cap_args, buffers = _buffers(name, policy, slots, args, mirrored, adoptable)
     # statics and user buffers must not be written: replays would not write the caller's
     # tensor (user) or would repeat the write warmups already made (static)
     mutated = {storage_ptr(tensor(args, i)) for i in slots.mutated}
@@ -205,14 +213,20 @@ def _record_once(
 
 
 def _buffers(
-    name: str, policy: CapturePolicy, slots: Slots, args: Args, mirrored: frozenset[int]
+    name: str, policy: CapturePolicy, slots: Slots, args: Args, mirrored: frozenset[int],
+    adoptable: frozenset[int] | None = None,
 ) -> tuple[list[object], list[torch.Tensor]]:
     """The arguments a capture runs on and its user-input buffers. A buffer is the caller's
     own tensor only under clone_input=False, and only when no other input shares its memory
     and no two of its elements overlap; otherwise it is an owned copy with the caller's
     layout (made dense), so that refilling it never writes memory another input (or another
     element) is read from. A ``mirrored`` input's buffer copies the caller's whole storage
-    at the caller's offset and strides (the graph reads it through as_strided)."""
+    at the caller's offset and strides (the graph reads it through as_strided). A tensor that
+    a capture returned (the previous graph's result across a graph break) is never adopted
+    either: a later call's refill would overwrite a result the caller may still hold. Nor is,
+    outside ``adoptable`` (when given), a tensor no other capture adopted: a key's later
+    captures (another module instance, outputs still held, another thread's call) adopt only
+    the tensors its first capture did, which the caller passes again."""
     mutated = {storage_ptr(tensor(args, i)): i for i in slots.mutated}
     for i in slots.user:
         # a user input read through as_strided may reach any byte of its storage; another
@@ -241,7 +255,8 @@ def _buffers(
         if i in mirrored:
             x = mirror(x)
             cap_args[i] = x
-        elif policy.clone_input or (ptr and ptr in taken) or not non_overlapping(x):
+        elif (policy.clone_input or (ptr and ptr in taken) or not non_overlapping(x)
+              or is_result(x) or (adoptable is not None and ptr not in adoptable)):
             # the graph may depend on the input's layout (a traced view): keep its strides
             # when dense, else dense strides in the same dim order
             x = torch.empty_like(x, memory_format=torch.preserve_format).copy_(x)

@@ -36,9 +36,9 @@ from npugraph_runtime.counters import (
 from npugraph_runtime.devices.base import DeviceGraph, PoolHandle
 from npugraph_runtime.errors import CaptureError, PolicyError
 from npugraph_runtime.graphs import as_pool_handle, graph_pool_handle
-from npugraph_runtime.inputs import mirror_filler, refiller
+from npugraph_runtime.inputs import mirror_filler, refiller, storage_ptr
 from npugraph_runtime.keys import Args, Key, key_function, picker
-from npugraph_runtime.outputs import OutputPlan, output_plan
+from npugraph_runtime.outputs import OutputPlan, note_result, output_plan
 from npugraph_runtime.selection import choose
 from npugraph_runtime.spec import CapturePolicy, InputSpec, OutputSpec, SlotKind
 
@@ -70,8 +70,9 @@ class GraphedCallable:
     The addresses of static inputs select the capture: one FX graph serves every instance of a
     module class, so each distinct set of static addresses gets its own capture of the key,
     kept beside the others (up to ``capture_limit``). With ``check_static_addresses=False`` only
-    the first static input's address is checked (one representative per instance): a re-bound
-    static input other than the first goes unnoticed. Mutated inputs' addresses select the
+    the first and the last static input's addresses are checked (the representatives of an
+    instance): a re-bound static input between them goes unnoticed, and so do instances that
+    share both (a class-attribute tensor used first and a shared submodule used last). Mutated inputs' addresses select the
     capture too while the caller keeps the earlier tensors (requests with their own KV caches);
     a capture whose mutated tensors the caller dropped is the one replaced.
 
@@ -309,7 +310,8 @@ class GraphedCallable:
         else:
             result = self._warm_up(args) if reason == NEW_KEY else _NO_RESULT
         cap = record(self._fn, self.name, self._spec, self._policy, self._slots, key, args,
-                     device, self._pool_for(device), self._replay_closure, as_call)
+                     device, self._pool_for(device), self._replay_closure, as_call,
+                     self._adoptable(reason))
         caps = self._captures.setdefault(key, [])
         if replacing is not None and replacing in caps:
             caps[caps.index(replacing)] = cap
@@ -334,11 +336,22 @@ class GraphedCallable:
                 return cap.plan.own(args)
             return self._fn(*args)
         if result is not _NO_RESULT:
+            note_result(result)  # the warmup's result is the call's, as a replay's would be
             return result
         result = cap.replay(args)
         if result is _MISS:
             raise CaptureError(f"internal: {self.name}'s fresh capture of key {key} refused its call")
         return result
+
+    def _adoptable(self, reason: str) -> frozenset[int] | None:
+        """clone_input=False: what a capture may adopt as its user buffers. A new key's first
+        capture adopts the call's tensors; any other capture only those adopted already (what
+        the caller passes again), so that a later call's refill never writes a tensor that was
+        passed once (another instance's input, another thread's, a result the caller keeps)."""
+        if self._policy.clone_input or reason == NEW_KEY:
+            return None
+        return frozenset(storage_ptr(b) for caps in self._captures.values() for c in caps
+                         for b in c.buffers)
 
     def _warm_up(self, args: Args) -> object:
         runs = self._policy.warmup

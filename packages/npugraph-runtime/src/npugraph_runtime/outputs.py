@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -23,6 +24,32 @@ from npugraph_runtime.inputs import storage_ptr
 
 Args = tuple[object, ...]
 Builder = Callable[[Args], object]
+
+
+# Storage address -> a tensor some capture handed (or will hand) to its caller: a static output, or
+# a first call's own result. Under clone_input=False such a tensor (one graph's result fed to the
+# next graph across a graph break) must not become a capture's buffer, since refilling that buffer
+# would overwrite a result the caller may hold. Written at capture only, never on a replay.
+_RESULTS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def _note_results(tensors: Sequence[object]) -> None:
+    for t in tensors:
+        if isinstance(t, list | tuple):
+            _note_results(t)
+        elif isinstance(t, torch.Tensor) and (ptr := storage_ptr(t)):
+            _RESULTS[ptr] = t
+
+
+def note_result(out: object) -> None:
+    """Note the tensors of a call's result that did not come from a replay (a warmup's)."""
+    _note_results(out if isinstance(out, list | tuple) else [out])
+
+
+def is_result(t: torch.Tensor) -> bool:
+    """``t`` shares its storage with a tensor a capture returned to its caller."""
+    ptr = storage_ptr(t)
+    return bool(ptr) and ptr in _RESULTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +134,11 @@ def output_plan(
         j = declared[pos] if pos < len(declared) else None
         if j is None:
             j = next((i for i, a in enumerate(cap_args) if same_view(o, a)), None)
+        if j is None:
+            # a view of an input used in place (cache[0], weight.t()): eager returns that view
+            # of the caller's tensor, so clone_output must not clone it
+            j = next((i for i in sorted(in_place)
+                      if same_storage(o, cap_args[i])), None)  # type: ignore[arg-type]
         hit = user_buffers.get(storage_ptr(o))
         if j is not None and same_view(o, cap_args[j]):
             alias.append((pos, j))
@@ -129,6 +161,7 @@ def output_plan(
     fixed = isinstance(out, torch.Tensor) or structure is None
     returned_as_is = fixed and not alias and not clone and not views
     holds = _holds(outs, static, out if returned_as_is and type(out) is tuple else None)
+    _note_results([outs[p] for p in static])
 
     def place(res: list[object], args: Args) -> None:
         for p, j in alias:
@@ -158,6 +191,7 @@ def output_plan(
         for group in static_groups:
             for p, t in zip(group, clone_together([res[p] for p in group]), strict=True):  # type: ignore[misc]
                 res[p] = t
+        _note_results([res[p] for p in (*static, *clone)])
         return res
 
     if fixed:

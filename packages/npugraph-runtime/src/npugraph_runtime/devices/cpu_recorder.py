@@ -277,6 +277,10 @@ class HostReads(TorchFunctionMode):
 class Recorder(TorchDispatchMode):  # type: ignore[misc]
     """Records the ops of one capture. Created by ``CpuGraph.capture_begin``."""
 
+    # higher-order operators (invoke_subgraph, flex_attention, scan, ...) are recorded as the ATen
+    # ops their eager implementation runs (see __torch_dispatch__)
+    supports_higher_order_operators = True
+
     def __init__(self, mode: str) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.mode = mode
@@ -446,6 +450,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
         kwargs = kwargs or {}
         if self.error is not None:
             return func(*args, **kwargs)
+        if _compat.is_higher_order(func):
+            return self._inline(func, args, kwargs)
         # the recorder's own tensor work (checks, copies, timing candidates) is not the user's:
         # keep it out of the host-read guard
         with _compat.no_torch_function():
@@ -454,6 +460,20 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
             except NpugraphError as e:
                 self.fail(e)
                 raise
+
+    def _inline(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """A higher-order operator: its eager implementation runs with the recorder active again,
+        so each ATen op of its body is recorded and replayed like any other (a branch or a loop
+        decided by a tensor's value reads it back, which the recorder refuses as a host sync)."""
+        body = _compat.higher_order_body(func, args, kwargs)
+        if body is None:
+            error = CaptureError(
+                f"{func!r} cannot be captured by the cpu graph: it has no eager implementation to "
+                "record; run it outside the captured region")
+            self.fail(error)
+            raise error
+        with self:
+            return body()
 
     def _track_collective(
         self,
