@@ -4,7 +4,8 @@
 
 Scenarios where the ranks make different capture decisions for the same call: rank 0 keeps
 every output it got (a new capture for held outputs), rank 1 drops them; rank 0 hands a graph a
-new KV cache tensor (a recapture for the mutated input's address), rank 1 keeps its one. Each
+new KV cache tensor (a recapture for the mutated input's address), rank 1 keeps its one; the
+same held outputs with a capture by hand (make_graphed_callable). Each
 call's outputs are compared with eager at once and again after the last call."""
 
 from __future__ import annotations
@@ -27,10 +28,15 @@ def _counters() -> dict[str, int]:
 
 
 def _scenario(rank: int, fn: Callable[..., torch.Tensor], make: Callable[[int], list[torch.Tensor]],
-              keep: bool) -> dict[str, Any]:
+              keep: bool, by_hand: bool = False) -> dict[str, Any]:
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    compiled = torch.compile(fn, backend="npugraph_ex", fullgraph=True, dynamic=False)
+    if by_hand:  # npugraph_runtime's capture manager around the eager function
+        import npugraph_runtime as ngr
+
+        compiled = ngr.make_graphed_callable(fn, tuple(make(0)), name="by_hand")
+    else:
+        compiled = torch.compile(fn, backend="npugraph_ex", fullgraph=True, dynamic=False)
     bad: list[int] = []
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
     for i in range(CALLS):
@@ -86,6 +92,8 @@ def main() -> None:
     runs = {
         "held_outputs_on_one_rank": lambda: _scenario(rank, all_reduce, _fresh(rank), rank == 0),
         "new_cache_on_one_rank": lambda: _scenario(rank, cached_all_reduce, with_cache, False),
+        "held_outputs_on_one_rank_by_hand": lambda: _scenario(
+            rank, all_reduce, _fresh(rank), rank == 0, by_hand=True),
     }
     for name, run in runs.items():
         try:

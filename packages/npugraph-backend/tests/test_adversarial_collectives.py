@@ -70,6 +70,12 @@ def test_outputs_held_on_one_rank_only(ranks: list[dict[str, Any]]) -> None:
     assert dropped["captured"] == 1 and dropped["held"] == 0, dropped
 
 
+def test_outputs_held_on_one_rank_only_in_a_capture_by_hand(ranks: list[dict[str, Any]]) -> None:
+    held, dropped = _check(ranks, "held_outputs_on_one_rank_by_hand")
+    assert held["held"] >= 2, held
+    assert dropped["captured"] == 1 and dropped["held"] == 0, dropped
+
+
 def test_new_mutated_input_on_one_rank_only(ranks: list[dict[str, Any]]) -> None:
     moved, kept = _check(ranks, "new_cache_on_one_rank")
     assert moved["captured"] == 2 and moved["mutated"] == 1, moved  # one capture per cache
