@@ -8,6 +8,7 @@ import torch
 import torch.fx
 
 from npugraph_passes import _compat
+from npugraph_passes.aliasing import alias_base, written_args
 from npugraph_passes.inplace_analysis import (
     SCATTER_VIEWS,
     VIEW_TARGETS,
@@ -22,11 +23,20 @@ __all__ = ["fits_in_place", "others_alias", "refresh_views", "rewrite_in_place",
 aten = torch.ops.aten
 
 
+def _views(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The users of ``node`` that are views of it: the known view ops, and any op whose schema
+    says its result aliases ``node`` without writing it (``detach``: a reinplaced tensor's
+    detached view left in the old storage would let a later op be reinplaced into it, writing
+    a returned tensor)."""
+    return [u for u in node.users if u.target in VIEW_TARGETS
+            or (alias_base(u) is node and not written_args(u))]
+
+
 def refresh_views(root: torch.fx.Node, an: Analysis) -> None:
     """Views of ``root`` whose meta still describes the tensor ``root`` replaced get their
     ``meta["val"]`` recomputed, so later passes see the real aliasing."""
     key = an.storage.get(root)
-    todo = [u for u in root.users if u.target in VIEW_TARGETS]
+    todo = _views(root)
     seen: set[torch.fx.Node] = set()
     while todo:
         view = todo.pop()
@@ -42,7 +52,7 @@ def refresh_views(root: torch.fx.Node, an: Analysis) -> None:
         except Exception:
             continue
         an.merge(view, root)
-        todo.extend(u for u in view.users if u.target in VIEW_TARGETS)
+        todo.extend(_views(view))
 
 
 def _written_view(node: torch.fx.Node, buf: torch.Tensor) -> torch.Tensor | None:
