@@ -4,6 +4,8 @@ so: the checks and the graph surgery the re-inplacing passes share
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 
@@ -24,12 +26,15 @@ aten = torch.ops.aten
 
 
 def _views(node: torch.fx.Node) -> list[torch.fx.Node]:
-    """The users of ``node`` that are views of it: the known view ops, and any op whose schema
-    says its result aliases ``node`` without writing it (``detach``: a reinplaced tensor's
+    """The users of ``node`` that are views of it: the known view ops, any op whose schema says
+    its result aliases ``node`` without writing it, and items of a list of views (``detach``,
+    ``split(...)[i]``: a reinplaced tensor's
     detached view left in the old storage would let a later op be reinplaced into it, writing
     a returned tensor)."""
-    return [u for u in node.users if u.target in VIEW_TARGETS
-            or (alias_base(u) is node and not written_args(u))]
+    return [u for u in node.users if u.target in VIEW_TARGETS or (not written_args(u) and (
+        alias_base(u) is node
+        # one view of a list of views (split): its alias_base is the list's base
+        or (u.target is operator.getitem and alias_base(u) is not None)))]
 
 
 def refresh_views(root: torch.fx.Node, an: Analysis) -> None:
@@ -43,8 +48,8 @@ def refresh_views(root: torch.fx.Node, an: Analysis) -> None:
         if view in seen or not isinstance(view.args[0], torch.fx.Node):
             continue
         seen.add(view)
-        base = meta_tensor(view.args[0])
-        if base is None or an.storage.get(view) == key:
+        base = view.args[0].meta.get("val")  # a list for a getitem of split's views
+        if not isinstance(base, torch.Tensor | list | tuple) or an.storage.get(view) == key:
             continue
         args = (base, *meta_values(view.args[1:]))
         try:
