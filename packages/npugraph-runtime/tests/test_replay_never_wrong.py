@@ -36,8 +36,14 @@ def test_kept_outputs_keep_their_values_over_later_calls(device: str) -> None:
     kept = [fn(x, layer.weight, layer.bias) for x in xs]  # every result held at once
     for x, out in zip(xs, kept, strict=True):
         torch.testing.assert_close(out, linear_relu(x, layer.weight, layer.bias))
-    assert counters()["capture_due_to_held_outputs_kept"] == len(xs) - 2  # call 1 is warmup's
-    assert fn.num_captures == len(xs) - 1
+    if device == "cpu":
+        # a capture there computes: a held-outputs capture's own call returns clones of its
+        # run, so the next call replays it (its collectives must run once a call)
+        assert counters()["capture_due_to_held_outputs_kept"] == (len(xs) - 1) // 2
+        assert fn.num_captures == 1 + (len(xs) - 1) // 2
+    else:
+        assert counters()["capture_due_to_held_outputs_kept"] == len(xs) - 2  # call 1 is warmup's
+        assert fn.num_captures == len(xs) - 1
 
 
 @torch.no_grad()

@@ -420,6 +420,7 @@ def probe_call(compiled: Any, args: tuple[Any, ...]) -> tuple[Any, Any]:
 
     probe = types.FunctionType(fn.__code__, {**f_globals, backend_id: recording}, fn.__name__,
                                fn.__defaults__, fn.__closure__)
+    probe.__kwdefaults__ = fn.__kwdefaults__  # a keyword-only default: not a constructor argument
     result = probe(*args)
     if len(seen) != 1:
         return result, None

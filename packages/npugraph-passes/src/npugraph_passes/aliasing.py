@@ -53,6 +53,11 @@ def alias_base(node: torch.fx.Node) -> torch.fx.Node | None:
     if not schema.returns or schema.returns[0].alias_info is None:
         return None
     sets = schema.returns[0].alias_info.before_set
+    if not sets:
+        # a list of views (split, unbind, chunk: ``Tensor(a -> *) self -> Tensor(a)[]``): the
+        # list's own annotation is empty, the argument says its memory goes into the list
+        sets = {s for arg in schema.arguments if arg.alias_info is not None
+                and "*" in arg.alias_info.after_set for s in arg.alias_info.before_set}
     for i, arg in enumerate(schema.arguments):
         if arg.alias_info is not None and arg.alias_info.before_set & sets:
             value = _arg_value(node, i, arg)

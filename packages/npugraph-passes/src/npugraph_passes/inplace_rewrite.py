@@ -4,10 +4,13 @@ so: the checks and the graph surgery the re-inplacing passes share
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 
 from npugraph_passes import _compat
+from npugraph_passes.aliasing import alias_base, written_args
 from npugraph_passes.inplace_analysis import (
     SCATTER_VIEWS,
     VIEW_TARGETS,
@@ -22,19 +25,31 @@ __all__ = ["fits_in_place", "others_alias", "refresh_views", "rewrite_in_place",
 aten = torch.ops.aten
 
 
+def _views(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The users of ``node`` that are views of it: the known view ops, any op whose schema says
+    its result aliases ``node`` without writing it, and items of a list of views (``detach``,
+    ``split(...)[i]``: a reinplaced tensor's
+    detached view left in the old storage would let a later op be reinplaced into it, writing
+    a returned tensor)."""
+    return [u for u in node.users if u.target in VIEW_TARGETS or (not written_args(u) and (
+        alias_base(u) is node
+        # one view of a list of views (split): its alias_base is the list's base
+        or (u.target is operator.getitem and alias_base(u) is not None)))]
+
+
 def refresh_views(root: torch.fx.Node, an: Analysis) -> None:
     """Views of ``root`` whose meta still describes the tensor ``root`` replaced get their
     ``meta["val"]`` recomputed, so later passes see the real aliasing."""
     key = an.storage.get(root)
-    todo = [u for u in root.users if u.target in VIEW_TARGETS]
+    todo = _views(root)
     seen: set[torch.fx.Node] = set()
     while todo:
         view = todo.pop()
         if view in seen or not isinstance(view.args[0], torch.fx.Node):
             continue
         seen.add(view)
-        base = meta_tensor(view.args[0])
-        if base is None or an.storage.get(view) == key:
+        base = view.args[0].meta.get("val")  # a list for a getitem of split's views
+        if not isinstance(base, torch.Tensor | list | tuple) or an.storage.get(view) == key:
             continue
         args = (base, *meta_values(view.args[1:]))
         try:
@@ -42,7 +57,7 @@ def refresh_views(root: torch.fx.Node, an: Analysis) -> None:
         except Exception:
             continue
         an.merge(view, root)
-        todo.extend(u for u in view.users if u.target in VIEW_TARGETS)
+        todo.extend(_views(view))
 
 
 def _written_view(node: torch.fx.Node, buf: torch.Tensor) -> torch.Tensor | None:

@@ -97,7 +97,9 @@ class GraphedCallable:
     ``functional=True`` says ``fn`` is a traced graph (the backend's): it runs the same ops on
     every call and writes nothing but its mutated inputs. On a device whose capture computes (the
     CPU) the last warmup run of a new key is then the capture itself: its writes to the mutated
-    inputs stay and the call returns clones of its outputs, so the graph runs once, not twice."""
+    inputs stay and the call returns clones of its outputs, so the graph runs once, not twice.
+    There, any later capture of a key but a forced one (of any fn) is the call's run in the same
+    way, so that fn's collectives run once a call, as on an accelerator."""
 
     def __init__(
         self,
@@ -296,16 +298,24 @@ class GraphedCallable:
         call's result.
 
         A new key is warmed up first and the call returns the last warmup run's result. Any
-        other capture is not warmed up again: it replays the fresh capture and returns that, so
-        force_recapture shows what a fresh capture computes (the triage recipe relies on it).
-        A ``functional`` fn captured where the capture computes has its last warmup run be the
-        capture itself (see the class docstring)."""
+        other capture is not warmed up again: on an accelerator it replays the fresh capture and
+        returns that; where the capture computes (the CPU) the capture's run is the call's. A
+        forced one always replays, so force_recapture shows what a fresh capture computes (the
+        triage recipe relies on it). A ``functional`` fn's last warmup run is the capture itself
+        where the capture computes (see the class docstring)."""
         self._check_kinds(args)
         device = self._device_for(args)
-        as_call = (reason == NEW_KEY and self._functional and self._policy.warmup > 0
-                   and capture_runs_fn(device))
+        # A recapture (held outputs, a new address; of any fn: its key was warmed up already) is
+        # the call too: were it recorded and then replayed, fn's collectives would run twice in
+        # this call, on this rank only, and put the ranks out of step (an accelerator's capture
+        # launches nothing). force_recapture keeps the replay, which is what it shows.
+        if reason == NEW_KEY:
+            as_call = self._functional and self._policy.warmup > 0 and capture_runs_fn(device)
+        else:
+            as_call = reason != FORCE_RECAPTURE and capture_runs_fn(device)
         if as_call:
-            undone_runs(self._fn, args, self._slots, self._policy.warmup - 1)
+            if reason == NEW_KEY:
+                undone_runs(self._fn, args, self._slots, self._policy.warmup - 1)
             result = _NO_RESULT
         else:
             result = self._warm_up(args) if reason == NEW_KEY else _NO_RESULT

@@ -1,0 +1,110 @@
+"""One rank of test_adversarial_collectives.py (2 gloo ranks on 127.0.0.1).
+
+    python adversarial_dist_worker.py RANK PORT OUT_JSON
+
+Scenarios where the ranks make different capture decisions for the same call: rank 0 keeps
+every output it got (a new capture for held outputs), rank 1 drops them; rank 0 hands a graph a
+new KV cache tensor (a recapture for the mutated input's address), rank 1 keeps its one; the
+same held outputs with a capture by hand (make_graphed_callable). Each
+call's outputs are compared with eager at once and again after the last call."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+CALLS = 8
+
+
+def _counters() -> dict[str, int]:
+    return dict(torch._dynamo.utils.counters["npugraph_ex"])
+
+
+def _scenario(rank: int, fn: Callable[..., torch.Tensor], make: Callable[[int], list[torch.Tensor]],
+              keep: bool, by_hand: bool = False) -> dict[str, Any]:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    if by_hand:  # npugraph_runtime's capture manager around the eager function
+        import npugraph_runtime as ngr
+
+        compiled = ngr.make_graphed_callable(fn, tuple(make(0)), name="by_hand")
+    else:
+        compiled = torch.compile(fn, backend="npugraph_ex", fullgraph=True, dynamic=False)
+    bad: list[int] = []
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for i in range(CALLS):
+        args = make(i)
+        eager_args = [a.clone() for a in args]
+        got = compiled(*args)
+        want = fn(*eager_args)
+        if not torch.equal(got, want) or not all(
+                torch.equal(a, b) for a, b in zip(args, eager_args, strict=True)):
+            bad.append(i)
+        if keep:
+            kept.append((got, want))
+        del got  # rank 1 holds nothing across calls
+    stale = [i for i, (got, want) in enumerate(kept) if not torch.equal(got, want)]
+    counters = _counters()
+    return {"bad": bad, "stale": stale,
+            "captured": sum(v for k, v in counters.items() if k.startswith("captured_")),
+            "held": sum(v for k, v in counters.items() if k.startswith("capture_due_to_held")),
+            "mutated": sum(v for k, v in counters.items()
+                           if k.startswith("recapture_due_to_mutated_input_change"))}
+
+
+def _fresh(rank: int) -> Callable[[int], list[torch.Tensor]]:
+    return lambda i: [torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * i + rank))]
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    y = x * 2
+    dist.all_reduce(y)
+    return y + 1
+
+
+def cached_all_reduce(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    cache.mul_(0.5).add_(x)
+    y = cache * 3
+    dist.all_reduce(y)
+    return y - x
+
+
+def main() -> None:
+    rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=20))
+    caches = [torch.zeros(3, 4), torch.zeros(3, 4)]
+
+    def with_cache(i: int) -> list[torch.Tensor]:
+        # rank 0 alternates between two caches (keeping both), rank 1 uses one
+        cache = caches[i % 2] if rank == 0 else caches[0]
+        return [_fresh(rank)(i)[0], cache]
+
+    results: dict[str, Any] = {}
+    runs = {
+        "held_outputs_on_one_rank": lambda: _scenario(rank, all_reduce, _fresh(rank), rank == 0),
+        "new_cache_on_one_rank": lambda: _scenario(rank, cached_all_reduce, with_cache, False),
+        "held_outputs_on_one_rank_by_hand": lambda: _scenario(
+            rank, all_reduce, _fresh(rank), rank == 0, by_hand=True),
+    }
+    for name, run in runs.items():
+        try:
+            results[name] = run()
+        except Exception:  # the test fails with it
+            results[name] = {"crash": traceback.format_exc()[-1500:]}
+            break  # the ranks are out of step: the next scenario would hang
+    with open(out, "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
