@@ -122,6 +122,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           flush=True)
     sections: list[Section] = []
     started = time.perf_counter()
+    ctx.save_partial = lambda sec: write_json(out / "bench.json", env, [*sections, sec])
     for key in keys:
         elapsed = time.perf_counter() - started
         if args.budget and elapsed > args.budget:

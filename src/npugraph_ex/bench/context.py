@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 
@@ -24,9 +24,19 @@ class BenchContext:
     log: list[str] = field(default_factory=list)
     deadline: float | None = None  # time.monotonic() after which long work is skipped
     decode_cases: tuple[str, ...] = ()  # (c): labels of the cases to run; empty: all
+    # writes bench.json with a section still running (its figures so far), for a run that is
+    # killed before the section ends (gpu_check's time limits)
+    save_partial: Callable[[Any], None] | None = None
 
     def out_of_time(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
+
+    def seconds_left(self) -> float | None:
+        return None if self.deadline is None else self.deadline - time.monotonic()
+
+    def partial(self, section: Any) -> None:
+        if self.save_partial is not None:
+            self.save_partial(section)
 
     @property
     def on_cpu(self) -> bool:

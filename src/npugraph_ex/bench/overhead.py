@@ -163,8 +163,13 @@ class Workload:
         import tempfile
 
         from npugraph_backend.serialization import observe_compiled
+        from npugraph_cache import _compat as cache_compat
 
         from npugraph_ex.inference import cache_compile
+
+        if not cache_compat.has_aot_compile():
+            raise RuntimeError(f"torch {torch.__version__} has no usable aot_compile: "
+                               "cache_compile compiles without the disk cache, no warm start")
 
         seen: list[Any] = []
         self._serving_dir = tempfile.TemporaryDirectory(prefix="npugraph-bench-a-")
@@ -181,8 +186,6 @@ class Workload:
         # the same warm start with AOT's runtime wrapper on every call: its plans are made while
         # the check that lets a plan skip the wrapper answers "no" (an A/B in the same rounds)
         wrapped = cache_compile(self.model.forward, dynamic=False, cache_dir=cache_dir)
-        from npugraph_cache import _compat as cache_compat
-
         skip_check = cache_compat.trivial_aot_call
         cache_compat.trivial_aot_call = lambda compiled: None
         try:

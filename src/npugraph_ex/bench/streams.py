@@ -15,6 +15,7 @@ import npugraph_runtime as ngr
 import torch
 
 from npugraph_ex.bench._compat import dynamo_counters
+from npugraph_ex.bench.backends import captures, counter_snapshot
 from npugraph_ex.bench.context import BenchContext, fmt_exc
 from npugraph_ex.bench.report import Figure, Section
 from npugraph_ex.bench.timing import measure_interleaved
@@ -69,11 +70,6 @@ def models(device: torch.device, left: list[torch.Tensor], right: list[torch.Ten
     return {"eager": one_stream, "one stream": one_stream, "two streams": two_streams}
 
 
-def _captured() -> int:
-    return sum(v for k, v in dynamo_counters().get("npugraph_ex", {}).items()
-               if k.startswith("captured_"))
-
-
 def _graphs() -> int:
     return int(dynamo_counters().get("stats", {}).get("unique_graphs", 0))
 
@@ -89,7 +85,9 @@ def run(ctx: BenchContext) -> Section:
     with torch.inference_mode():
         for label, fn in fns.items():
             torch.compiler.reset()
-            before = _captured()
+            # the new graphs' captures only: an earlier section's graphs, freed while this one
+            # runs, lower their own counters (torch 2.11 frees them later than 2.13.0 does)
+            before = counter_snapshot()
             graphs_before = _graphs()
             try:
                 c = torch.compile(fn, backend="npugraph_ex", fullgraph=True)
@@ -103,7 +101,7 @@ def run(ctx: BenchContext) -> Section:
             compiled[label] = c
             facts[label] = {
                 "replays_equal_eager": equal,
-                "captures": _captured() - before,
+                "captures": captures(before),
                 # torch 2.13 counts a recompile as one more graph, not in counters["recompiles"]
                 "recompiles": _graphs() - graphs_before - 1,
             }

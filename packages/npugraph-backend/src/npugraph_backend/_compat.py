@@ -348,7 +348,8 @@ def resolve_process_group(group_name: str) -> Any:
 # Checked on torch 2.13.0: dynamo traces ``with stream:`` as ``node.meta["custom"]["stream"] =
 # index`` and Stream/Event methods as ``torch.ops.streams.<name>(event_index, stream_index, ...)``;
 # the index names an object of ``torch._dynamo.graph_bytecode_inputs`` (the trace-time object
-# while the backend runs). Older torch (2.11) has no ``torch.ops.streams``: nothing to rewrite.
+# while the backend runs). Checked on 2.11.0 too: the same ops with the same schemas (2.13.0 adds
+# the host syncs synchronize_device/_event/_stream), so 2.11 is rewritten alike.
 DYNAMO_STREAM_NAMESPACE = "streams"
 
 

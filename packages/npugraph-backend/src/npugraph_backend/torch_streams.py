@@ -241,11 +241,28 @@ def with_external_waits(
 EXTERNAL_WAITS = "npugraph_ex_external_waits"
 
 
+def _refuse_stream_method_calls(nodes: list[torch.fx.Node]) -> None:
+    """torch 2.11's dynamo traces ``Stream.wait_stream`` / ``wait_event`` / ``record_event`` /
+    ``synchronize`` and the Event methods as ``call_method`` nodes on the traced objects (2.12.0
+    and 2.13.0: ``torch.ops.streams`` ops), which AOT would run once at trace time and leave out
+    of the graph: the replay would lose the ordering. Refused, naming the node."""
+    for node in nodes:
+        self_arg = node.args[0] if node.op == "call_method" and node.args else None
+        if isinstance(self_arg, torch.fx.Node) and _compat.is_external_object_lookup(self_arg):
+            raise TorchStreamError(
+                f"{node.target}() on a torch.Stream / torch.Event (node {node.name!r}"
+                f"{_where(node)}): torch {torch.__version__} traces it as a method call that a "
+                "device graph cannot order; use torch >= 2.12, or npugraph_runtime.Stream / Event"
+                " / stream(s) or npugraph_ex.scope.stream(tag) / record() / wait(tensors)"
+            )
+
+
 def rewrite_torch_streams(gm: torch.fx.GraphModule) -> bool:
     """Rewrite dynamo's stream annotations and ``torch.ops.streams`` ops of ``gm`` (a dynamo
     graph) into npugraph_ex scope ops, in place. Returns whether anything changed. Waits on work
     from before the graph are left in ``gm.meta[EXTERNAL_WAITS]`` for the backend to issue."""
     nodes = list(gm.graph.nodes)
+    _refuse_stream_method_calls(nodes)
     with_streams = {i for n in nodes if n.op in _COMPUTE and (i := _annotation(n)) is not None}
     if not with_streams and not any(_compat.stream_op_name(n) for n in nodes):
         return False

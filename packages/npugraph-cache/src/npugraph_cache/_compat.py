@@ -16,7 +16,16 @@ Backend = Callable[[torch.fx.GraphModule, list[Any]], Any]
 # --- compile_cache.py: ahead-of-time compile, save and load of one dynamo frame ----------------
 def has_aot_compile() -> bool:
     """Checked on torch 2.13.0: ``torch.compile(...).aot_compile`` (``torch._dynamo.aot_compile``)
-    and the public ``torch.compiler.load_compiled_function``; both exist since torch 2.10."""
+    and the public ``torch.compiler.load_compiled_function``; both exist since torch 2.10.
+
+    False before 2.12 (checked on 2.11.0): torch.compile attaches ``.aot_compile`` only under
+    ``torch._dynamo.config.enable_aot_compile`` (off there), and with it set, aot_compile refuses
+    our backend's output (it wraps only inductor's and ``AotAutograd``'s into a
+    SerializableCallable, 2.12.0 any output with a ``serialize``) and cannot save a method's
+    module without ``external_data``. The cache then compiles without the disk cache and says
+    so (CacheWarning)."""
+    if torch.__version__ < "2.12":
+        return False
     try:
         import torch._dynamo.aot_compile as aot
 

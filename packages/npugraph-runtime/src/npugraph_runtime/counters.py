@@ -41,8 +41,9 @@ _graph_numbers = itertools.count()
 
 
 def default_name() -> str:
-    """``graph_<n>``, n counting every unnamed callable of the process."""
-    return f"graph_{next(_graph_numbers)}"
+    """``callable_<n>``, n counting every unnamed callable of the process; not ``graph_<n>``,
+    the backend's names, whose counters an unnamed callable's would otherwise overwrite."""
+    return f"callable_{next(_graph_numbers)}"
 
 
 class CaptureEvent(NamedTuple):

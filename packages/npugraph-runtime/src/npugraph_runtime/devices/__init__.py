@@ -82,7 +82,8 @@ def device_of(x: object) -> torch.device:
     if x is None:
         accelerator = getattr(torch, "accelerator", None)
         current = getattr(accelerator, "current_accelerator", None)
-        found = current() if current is not None else None
+        # check_available: a CUDA build on a host without a GPU names cuda otherwise (2.11, 2.13)
+        found = current(check_available=True) if current is not None else None
         if found is not None and found.type in ("cuda", "npu"):
             return torch.device(found.type)
         return torch.device("cpu")
