@@ -372,6 +372,21 @@ def _captures() -> int:
                if k.startswith(("capture_due", "recapture_due")))
 
 
+def _serving(tmp_path: Path, start: str) -> tuple[Served, Any]:
+    """A Served model and its cache_compile'd step (warm: loaded from an entry another call
+    saved), after 5 calls compared with eager; counters count from the warm start on."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = Served().eval()
+    if start == "warm":
+        cache_compile(model.step, dynamic=False, cache_dir=tmp_path)(*_served_inputs(1)[0])
+        counters.clear()
+    fn = cache_compile(model.step, dynamic=False, cache_dir=tmp_path)
+    _matches_eager(fn, model, _served_inputs(5))
+    return model, fn
+
+
 @pytest.mark.parametrize("start", ["cold", "warm"])
 def test_serving_path_catches_every_change_that_would_make_a_replay_wrong(
     tmp_path: Path, start: str
@@ -382,13 +397,7 @@ def test_serving_path_catches_every_change_that_would_make_a_replay_wrong(
     calls, and the re-bound parameter makes a new plan."""
     from torch._dynamo.utils import counters
 
-    torch.manual_seed(0)
-    model = Served().eval()
-    if start == "warm":
-        cache_compile(model.step, dynamic=False, cache_dir=tmp_path)(*_served_inputs(1)[0])
-        counters.clear()
-    fn = cache_compile(model.step, dynamic=False, cache_dir=tmp_path)
-    _matches_eager(fn, model, _served_inputs(5))
+    model, fn = _serving(tmp_path, start)
     assert counters["npugraph_ex_cache"]["loaded" if start == "warm" else "compiled"] == 1
     assert _captures() >= 1
     assert counters["npugraph_ex_cache"]["direct_plans"] == 1  # calls 2-5 took the plan
@@ -749,6 +758,66 @@ def test_serving_path_refuses_a_parameter_re_bound_to_another_layout(
     # the same layout at a new address is a capture of its own, equal to eager
     model.layers[0].weight = torch.nn.Parameter(torch.randn(16, 16), requires_grad=False)
     _matches_eager(fn, model, _served_inputs(5))
+
+
+@pytest.mark.parametrize("start", ["cold", "warm"])
+def test_serving_path_bound_plan_keeps_held_outputs_and_sees_a_data_swap(
+    tmp_path: Path, start: str
+) -> None:
+    """The plan hands the capture manager its parameters once (``GraphedCallable.bind``): later
+    calls pass only the user inputs. On that path a kept result keeps its values, a ``.data``
+    swap of any parameter (here the last one) replays a capture with the new values: each
+    equal to eager."""
+    from torch._dynamo.utils import counters
+
+    model, fn = _serving(tmp_path, start)
+    assert counters["npugraph_ex_serving"]["bound_plans"] == 1
+    calls = _served_inputs(7)
+    kept = fn(*calls[0])
+    with torch.no_grad():
+        kept_expected = model.step(*calls[0]).clone()
+    _matches_eager(fn, model, calls[1:])
+    torch.testing.assert_close(kept, kept_expected, rtol=1e-5, atol=1e-6)
+    del kept
+    before = _captures()
+    model.layers[-1].bias.data = torch.randn(16)
+    _matches_eager(fn, model, _served_inputs(5))
+    assert _captures() == before + 1
+    assert counters["npugraph_ex_cache"]["direct_plans"] == 1
+    assert counters["npugraph_ex_cache"]["compiled"] == (0 if start == "warm" else 1)
+
+
+def test_serving_path_bound_plan_serves_two_threads(tmp_path: Path) -> None:
+    """Two threads on one planned entry: each result equals eager while the other thread's calls
+    replay (a held result moves the other call to another capture)."""
+    import threading
+
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = Served().eval()
+    fn = cache_compile(model.step, dynamic=False, cache_dir=tmp_path)
+    _matches_eager(fn, model, _served_inputs(3))
+    assert counters["npugraph_ex_serving"]["bound_plans"] == 1
+    errors: list[BaseException] = []
+
+    def serve(n: int) -> None:
+        try:
+            for args in _served_inputs(n):
+                got = fn(*args)
+                with torch.no_grad():
+                    expected = model.step(*args)
+                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=serve, args=(n,)) for n in (20, 21)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors[0]
+    assert counters["npugraph_ex_cache"]["compiled"] == 1
 
 
 @pytest.mark.cuda

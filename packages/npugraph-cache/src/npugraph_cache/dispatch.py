@@ -108,9 +108,10 @@ def plan(module: torch.nn.Module, args: tuple[Any, ...], probe: Any, result: Any
         rest = tuple(template[n:])
         if inner is not None:
             call_graph, expected = inner
+            bound = _bound(call_graph, rest)
 
             def leading_unwrapped(call: tuple[Any, ...]) -> Any:  # graph() inlined: one frame less
-                outs = call_graph(*call, *rest)
+                outs = bound(call)
                 if type(outs) is not list:
                     outs = list(outs) if isinstance(outs, tuple) else [outs]
                 if len(outs) != expected:
@@ -179,6 +180,17 @@ def _unwrapped(graph: Any, out: Any) -> tuple[Callable[..., Any], int] | None:
     if call is None:
         return (lambda *flat: boxed(list(flat))), len(out)
     return call, len(out)
+
+
+def _bound(call_graph: Callable[..., Any], rest: tuple[Any, ...]) -> Callable[[tuple[Any, ...]], Any]:
+    """``call -> call_graph(*call, *rest)``; where the graph is the npugraph_ex capture manager,
+    its ``bind(rest)``: the held tensors are neither passed nor picked out again on each call."""
+    bind = getattr(call_graph, "bind", None)
+    bound = bind(rest) if callable(bind) else None
+    if bound is not None:
+        _compat.dynamo_counters()["npugraph_ex_serving"]["bound_plans"] += 1
+        return bound  # type: ignore[no-any-return]
+    return lambda call: call_graph(*call, *rest)
 
 
 def _output_picker(out: Any, result: Any) -> Callable[[Any], Any] | None:

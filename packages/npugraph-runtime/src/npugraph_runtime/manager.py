@@ -13,6 +13,7 @@ import dataclasses
 import functools
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -139,6 +140,8 @@ class GraphedCallable:
         # key -> replay closure of the capture last used for it: the only thing the hot path
         # looks up.
         self._runs: dict[Key, Callable[[Args], object]] = {}
+        # each bind()'s replay closures over its held inputs, by the closure they stand in for
+        self._bound: weakref.WeakSet[_Variants] = weakref.WeakSet()
         self._lock = threading.RLock()
 
     # ---- the hot path -------------------------------------------------------------------
@@ -161,18 +164,81 @@ class GraphedCallable:
                 return self._reselect(key, args, run)
             return out
 
-    def _replay_closure(self, cap: Capture) -> Callable[[Args], object]:
+    def bind(self, held: Sequence[object]) -> Callable[[Args], object] | None:
+        """This callable with its last ``len(held)`` inputs always ``held`` (a model's parameters,
+        as the cache's serving plan holds them): the bound call takes the leading inputs only, so
+        no call builds or re-picks the whole argument tuple, and the held inputs' addresses are
+        checked over the held objects themselves (a ``.data`` swap is still seen). None unless
+        every held input is static. A call its key's current capture cannot serve (new key,
+        other addresses, held outputs, a fallback) takes the general path,
+        ``self(*call, *held)``."""
+        held = tuple(held)
+        n0 = self._n - len(held)
+        if not held or n0 < 0 or any(k is not SlotKind.STATIC for k in self._spec.kinds[n0:]):
+            return None
+        variants = _Variants()
+        self._bound.add(variants)  # _release empties it with the captures
+        key_of, runs, lock, by_run = self._key, self._runs, self._lock, variants.by_run
+
+        def bound(call: Args) -> object:
+            if len(call) == n0:
+                with lock:
+                    try:
+                        key = () if key_of is None else key_of(call)
+                    except (AttributeError, IndexError, TypeError):
+                        return self(*call, *held)  # names the input of the wrong type
+                    run = by_run.get(runs.get(key))
+                    if run is not None:
+                        out = run(call)
+                        if out is not _MISS:
+                            return out
+                    out = self(*call, *held)
+                    self._follow(variants.by_run, key, held)  # keeps variants alive
+                    return out
+            return self(*call, *held)  # raises, naming the count
+
+        return bound
+
+    def _follow(self, variants: _ByRun, key: Key, held: tuple[object, ...]) -> None:
+        """After a general call: ``variants`` has a bound closure for the key's current capture,
+        and none for a capture that is gone."""
+        live = {c.replay: c for c in self._captures.get(key, [])}
+        for run in [r for r in variants if r not in live]:
+            del variants[run]
+        current = self._runs.get(key)
+        if current in live and current not in variants:
+            variants[current] = self._replay_closure(live[current], held)
+
+    def _replay_closure(
+        self, cap: Capture, held: tuple[object, ...] | None = None
+    ) -> Callable[[Args], object]:
+        """The replay closure of ``cap``; with ``held`` (bind), one that takes only the inputs
+        before them."""
         replay = cap.graph.replay
         core_limit, captured_limit = capture_core_limit, cap.core_limit
         # Inputs the graph uses in place: their addresses at capture, checked in one C++ call
         # where torch has one, else in one pass of data_ptr (~55 ns a tensor).
         slots = self._slots
         watched = slots.watched
-        cap.watched_ptrs = watched_ptrs = [cap.addresses[i] for i in watched]
+        n = self._n if held is None else self._n - len(held)
+        if held is None:
+            cap.watched_ptrs = [cap.addresses[i] for i in watched]
+            cap.plan = self._output_plan(cap)
+            cap.holds = cap.plan.holds
+            bound_objects: list[Any] | None = None  # tensors: held inputs are static
+            bound_ptrs: list[int | None] = []
+            bound_at: list[int] = []
+        else:  # held inputs: checked over the objects, no picking
+            bound_objects = [held[i - n] for i in watched if i >= n]
+            bound_ptrs = [cap.addresses[i] for i in watched if i >= n]
+            bound_at = list(range(len(bound_objects)))
+            watched = [i for i in watched if i < n]
+        watched_ptrs = [cap.addresses[i] for i in watched]
         pick_watched = _tensor_picker(watched)
+        bound_equal = self._ptrs_equal
         all_equal = self._ptrs_equal if watched else None
         by_slot: list[int | None] = [cap.addresses.get(i) if i in watched else None
-                                     for i in range(self._n)]
+                                     for i in range(n)]
         plain_slots = [i for i in slots.user if i not in cap.mirrored]
         pick_user = _tensor_picker(plain_slots)
         buffers = [b for i, b in zip(slots.user, cap.buffers, strict=True) if i not in cap.mirrored]
@@ -183,9 +249,11 @@ class GraphedCallable:
         pick_mirrored = _tensor_picker(mirrored)
         fill_mirrors = mirror_filler(
             [cap.buffers[slots.user.index(i)] for i in mirrored], mirrored, self.name)
-        cap.plan = plan = self._output_plan(cap)
-        result, build, holds = plan.result, plan.build, plan.holds
-        cap.holds = holds
+        plan = cap.plan
+        assert plan is not None
+        # the result is read from the plan: a closure made after the capture's counts settled
+        # (bind) must not add a reference to an output it hands out
+        build, holds = plan.build, plan.holds
         # What tells whether the caller still holds the previous replay's outputs (outputs.py)
         held_objects = holds.objects if holds is not None else []
         held_storages = holds.cdatas if holds is not None else []
@@ -212,6 +280,10 @@ class GraphedCallable:
                 list(map(refcount, held_objects)), list(map(use_count, held_storages))
             ) != holds.base:
                 return _MISS
+            if bound_objects is not None and (
+                    list(map(data_ptr, bound_objects)) != bound_ptrs if bound_equal is None
+                    else not bound_equal(bound_objects, bound_ptrs, bound_at)):
+                return _MISS
             if all_equal is not None:
                 if not all_equal(list(args), by_slot, watched):
                     return _MISS
@@ -226,7 +298,9 @@ class GraphedCallable:
             if pick_mirrored is not None:
                 fill_mirrors(pick_mirrored(args))
             replay()
-            return result if build is None else build(args)
+            if build is None:
+                return plan.result
+            return build(args if held is None else (*args, *held))
 
         return run
 
@@ -400,6 +474,8 @@ class GraphedCallable:
     def _release(self) -> None:
         captures = [c for caps in self._captures.values() for c in caps]
         self._runs.clear()
+        for variants in self._bound:
+            variants.by_run.clear()
         self._captures.clear()
         self._total = 0
         for cap in captures:
@@ -472,6 +548,19 @@ class GraphedCallable:
             f"GraphedCallable({self.name!r}, captures={self._total}, "
             f"fell_back={self.fell_back})"
         )
+
+
+_ByRun = dict[Callable[[Args], object] | None, Callable[[Args], object]]
+
+
+class _Variants:
+    """One bind()'s replay closures, by the closure each stands in for; the GraphedCallable
+    holds it weakly, so it goes with the bound call that owns it."""
+
+    __slots__ = ("__weakref__", "by_run")
+
+    def __init__(self) -> None:
+        self.by_run: _ByRun = {}
 
 
 def _tensor_picker(indices: Sequence[int]) -> Callable[[Args], tuple[torch.Tensor, ...]] | None:
