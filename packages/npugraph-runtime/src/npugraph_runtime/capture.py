@@ -124,6 +124,7 @@ def record(
     fn: Callable[..., object], name: str, spec: InputSpec, policy: CapturePolicy, slots: Slots,
     key: Key, args: Args, device: torch.device, pool: PoolHandle | None,
     closure: Callable[[Capture], Callable[[Args], object]], as_call: bool = False,
+    mirrored: frozenset[int] = frozenset(),
 ) -> Capture:
     """Capture once; again, with mirrored buffers, when the graph turns out to read a user
     input through as_strided (at storage positions a dense buffer does not have). ``closure``
@@ -133,8 +134,11 @@ def record(
     call's, as an eager run would be: the writes of the capture that is kept stay, those of a
     capture made again (mirrored) or refused are undone first. Only writes to the mutated inputs
     may stay: if the run wrote any other tensor that existed before it, every write is undone and
-    ``ran`` stays False (the caller then runs the call eagerly)."""
-    mirrored: frozenset[int] = frozenset()
+    ``ran`` stays False (the caller then runs the call eagerly).
+
+    ``mirrored``: the inputs an earlier capture of the same fn found read through as_strided,
+    mirrored from the start: a capture made again runs fn twice, its collectives too, and a
+    later capture (held outputs, a new address) may be made on one rank only."""
     while True:
         g, out, cap_args, buffers, raw_reads = _record_once(
             fn, name, spec, policy, slots, args, mirrored, device, pool, as_call)
