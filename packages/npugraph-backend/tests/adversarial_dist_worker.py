@@ -5,7 +5,8 @@
 Scenarios where the ranks make different capture decisions for the same call: rank 0 keeps
 every output it got (a new capture for held outputs), rank 1 drops them; rank 0 hands a graph a
 new KV cache tensor (a recapture for the mutated input's address), rank 1 keeps its one; the
-same held outputs with a capture by hand (make_graphed_callable). Each
+same held outputs with a graph that reads its input through as_strided (a capture made twice) and
+with a capture by hand (make_graphed_callable). Each
 call's outputs are compared with eager at once and again after the last call."""
 
 from __future__ import annotations
@@ -69,6 +70,13 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return y + 1
 
 
+def strided_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    # read through as_strided: the capture is made again with a buffer mirroring x's storage
+    y = x.as_strided((2, 2), (1, 3), 1) * 2
+    dist.all_reduce(y)
+    return y + 1
+
+
 def cached_all_reduce(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     cache.mul_(0.5).add_(x)
     y = cache * 3
@@ -92,6 +100,8 @@ def main() -> None:
     runs = {
         "held_outputs_on_one_rank": lambda: _scenario(rank, all_reduce, _fresh(rank), rank == 0),
         "new_cache_on_one_rank": lambda: _scenario(rank, cached_all_reduce, with_cache, False),
+        "held_outputs_on_one_rank_as_strided": lambda: _scenario(
+            rank, strided_all_reduce, _fresh(rank), rank == 0),
         "held_outputs_on_one_rank_by_hand": lambda: _scenario(
             rank, all_reduce, _fresh(rank), rank == 0, by_hand=True),
     }

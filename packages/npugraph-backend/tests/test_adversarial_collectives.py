@@ -70,6 +70,15 @@ def test_outputs_held_on_one_rank_only(ranks: list[dict[str, Any]]) -> None:
     assert dropped["captured"] == 1 and dropped["held"] == 0, dropped
 
 
+def test_outputs_held_on_one_rank_only_reading_an_input_through_as_strided(
+    ranks: list[dict[str, Any]],
+) -> None:
+    # each capture was recorded twice (the second time mirroring the input's storage)
+    held, dropped = _check(ranks, "held_outputs_on_one_rank_as_strided")
+    assert held["held"] >= 2, held
+    assert dropped["captured"] == 1 and dropped["held"] == 0, dropped
+
+
 def test_outputs_held_on_one_rank_only_in_a_capture_by_hand(ranks: list[dict[str, Any]]) -> None:
     held, dropped = _check(ranks, "held_outputs_on_one_rank_by_hand")
     assert held["held"] >= 2, held

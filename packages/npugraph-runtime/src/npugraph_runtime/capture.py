@@ -128,6 +128,7 @@ def record(
     fn: Callable[..., object], name: str, spec: InputSpec, policy: CapturePolicy, slots: Slots,
     key: Key, args: Args, device: torch.device, pool: PoolHandle | None,
     closure: Callable[[Capture], Callable[[Args], object]], as_call: bool = False,
+    mirrored: frozenset[int] = frozenset(),
     adoptable: frozenset[int] | None = None,
 ) -> Capture:
     """Capture once; again, with mirrored buffers, when the graph turns out to read a user
@@ -140,9 +141,12 @@ def record(
     may stay: if the run wrote any other tensor that existed before it, every write is undone and
     ``ran`` stays False (the caller then runs the call eagerly).
 
+    ``mirrored``: the inputs an earlier capture of the same fn found read through as_strided,
+    mirrored from the start: a capture made again runs fn twice, its collectives too, and a
+    later capture (held outputs, a new address) may be made on one rank only.
+
     ``adoptable`` (clone_input=False): the storages a user tensor may be adopted from as its
     buffer; None: any (see _buffers)."""
-    mirrored: frozenset[int] = frozenset()
     while True:
         g, out, cap_args, buffers, raw_reads = _record_once(
             fn, name, spec, policy, slots, args, mirrored, device, pool, as_call, adoptable)

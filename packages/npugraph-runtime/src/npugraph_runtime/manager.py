@@ -137,6 +137,7 @@ class GraphedCallable:
         self._ptrs_equal = _checked_ptrs_equal()
         self._captures: dict[Key, list[Capture]] = {}
         self._total = 0
+        self._mirrored: frozenset[int] = frozenset()  # user inputs read through as_strided
         # key -> replay closure of the capture last used for it: the only thing the hot path
         # looks up.
         self._runs: dict[Key, Callable[[Args], object]] = {}
@@ -395,7 +396,8 @@ class GraphedCallable:
             result = self._warm_up(args) if reason == NEW_KEY else _NO_RESULT
         cap = record(self._fn, self.name, self._spec, self._policy, self._slots, key, args,
                      device, self._pool_for(device), self._replay_closure, as_call,
-                     self._adoptable(reason))
+                     self._mirrored, self._adoptable(reason))
+        self._mirrored = cap.mirrored
         caps = self._captures.setdefault(key, [])
         if replacing is not None and replacing in caps:
             caps[caps.index(replacing)] = cap
