@@ -37,9 +37,13 @@ def test_bench_quick_section_a_writes_json_with_environment_and_figures(tmp_path
     ours = figures["ours: overhead over bare replay"]
     assert ours["status"] in ("PASS", "MISS"), ours["note"]
     assert isinstance(ours["value"], float)
+    from npugraph_cache import _compat as cache_compat
+
+    # torch 2.11: no disk cache, so no warm start to measure (a SKIP naming why)
+    measured = ("PASS", "MISS") if cache_compat.has_aot_compile() else ("SKIP",)
     for start in ("cold", "warm"):
         serving = figures[f"ours: serving path (cache_compile, {start}) over bare replay"]
-        assert serving["status"] in ("PASS", "MISS"), serving["note"]
+        assert serving["status"] in measured, serving["note"]
     assert figures["aot_eager overhead over its GraphModule"]["value"] is not None
     assert (tmp_path / "bench.png").stat().st_size > 0
 

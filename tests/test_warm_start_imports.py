@@ -13,8 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from npugraph_cache import _compat
 
 WORKER = Path(__file__).with_name("warm_start_worker.py")
+pytestmark = pytest.mark.skipif(not _compat.has_aot_compile(),
+                                reason=f"torch {torch.__version__}: no disk cache (no aot_compile)")
 
 # Needed only to compile (passes, stream lowering) or to debug/dump (dfx); never by a loaded entry.
 COMPILE_ONLY = (

@@ -102,6 +102,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     keys = selected(args.only)
     device = torch.device(args.device) if args.device else best_device()
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {args.device!r}: no CUDA device here (torch {torch.__version__})")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     runs = args.runs if args.runs is not None else (20 if args.quick else 30)

@@ -7,7 +7,6 @@ is unpickled."""
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 import warnings
@@ -20,7 +19,7 @@ import torch
 import torch.fx
 from npugraph_runtime import CapturePolicy, InputSpec, OutputSpec
 from npugraph_runtime.callsite import warn_at_caller
-from npugraph_runtime.counters import REQUIRES_GRAD, UNSAFE_OP, fallback_counter
+from npugraph_runtime.counters import REQUIRES_GRAD, UNSAFE_OP, default_name, fallback_counter
 from npugraph_runtime.devices import inputs_device
 from npugraph_runtime.graphs import as_pool_handle
 
@@ -38,15 +37,14 @@ class NpuOnlyOptionWarning(UserWarning):
     """An NPU-only option was set for a graph on another device, where it does nothing."""
 
 
-_graph_ids = itertools.count(1)
 _graph_ids_lock = threading.Lock()
 
 UNSAFE_NODES_META = "npugraph_ex_unsafe_nodes"
 
 
 def next_graph_name() -> str:
-    with _graph_ids_lock:
-        return f"graph_{next(_graph_ids)}"
+    with _graph_ids_lock:  # the runtime's counter: its unnamed callables share the names' space
+        return default_name()
 
 
 def warn_npu_only_options(config: CompilerConfig, device: torch.device) -> None:

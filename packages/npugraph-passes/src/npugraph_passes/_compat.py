@@ -1,6 +1,8 @@
 """Every private torch API the passes touch, each with the torch versions it was checked on.
 A torch upgrade is a change to this file only. Entries are appended; each guards its import so
-that torch 2.11 keeps working with a fallback."""
+that torch 2.11 keeps working with a fallback. Every entry was also checked on torch 2.11.0
+(Python 3.12): present with the same shape, except register_replacement, which has no
+get_decomp_fn there (the fallback below applies)."""
 
 from __future__ import annotations
 

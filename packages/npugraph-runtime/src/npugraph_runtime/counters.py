@@ -37,13 +37,13 @@ def fallback_counter(reason: str, name: str | None = None) -> str:
     """The counter of eager fallbacks for ``reason``: ``eager_fallback_due_to_<reason>[_<name>]``."""
     return f"eager_fallback_due_to_{reason}" + ("" if name is None else f"_{name}")
 
-_graph_numbers = itertools.count()
+_graph_numbers = itertools.count(1)
 
 
 def default_name() -> str:
-    """``callable_<n>``, n counting every unnamed callable of the process; not ``graph_<n>``,
-    the backend's names, whose counters an unnamed callable's would otherwise overwrite."""
-    return f"callable_{next(_graph_numbers)}"
+    """``graph_<n>``, n counting every unnamed callable of the process and every graph the
+    backend names (one counter, so that no two share the counters named after them)."""
+    return f"graph_{next(_graph_numbers)}"
 
 
 class CaptureEvent(NamedTuple):
