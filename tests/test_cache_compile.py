@@ -775,6 +775,7 @@ def test_serving_path_bound_plan_keeps_held_outputs_and_sees_a_data_swap(
 
     model, fn = _serving(tmp_path, start)
     assert counters["npugraph_ex_serving"]["bound_plans"] == 1
+    assert counters["npugraph_ex_serving"]["plain_guard_plans"] == 1
     calls = _served_inputs(7)
     kept = fn(*calls[0])
     with torch.no_grad():
@@ -788,6 +789,41 @@ def test_serving_path_bound_plan_keeps_held_outputs_and_sees_a_data_swap(
     assert _captures() == before + 1
     assert counters["npugraph_ex_cache"]["direct_plans"] == 1
     assert counters["npugraph_ex_cache"]["compiled"] == (0 if start == "warm" else 1)
+
+
+@pytest.mark.parametrize("start", ["cold", "warm"])
+def test_serving_path_plans_own_guard_check_sees_layout_identity_and_global_state(
+    tmp_path: Path, start: str
+) -> None:
+    """A plan over plain tensor arguments checks what the entry's kept guards check with one C++
+    call (``plain_guard_plans``): another stride, one tensor passed twice, and another global
+    state (threads) are each refused by it and by the guards, so another entry serves them;
+    equal to eager."""
+    from torch._dynamo.utils import counters
+
+    model, fn = _serving(tmp_path, start)
+    assert counters["npugraph_ex_serving"]["plain_guard_plans"] == 1
+    compiled = counters["npugraph_ex_cache"]["compiled"]
+    transposed = [[torch.randn(16, 8).t() for _ in range(4)] for _ in range(5)]
+    _matches_eager(fn, model, transposed)
+    assert counters["npugraph_ex_cache"]["compiled"] == compiled + 1
+    # compiling made modules (a registration): the first entry plans again before each change
+    plans = counters["npugraph_ex_cache"]["direct_plans"]
+    _matches_eager(fn, model, _served_inputs(3))
+    x = torch.randn(8, 16)
+    _matches_eager(fn, model, [[x, x, torch.randn(8, 16), torch.randn(8, 16)]] * 5)
+    assert counters["npugraph_ex_cache"]["compiled"] == compiled + 2
+    _matches_eager(fn, model, _served_inputs(3))
+    assert counters["npugraph_ex_cache"]["direct_plans"] == plans + 3  # the first entry twice
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        _matches_eager(fn, model, _served_inputs(5))
+    finally:
+        torch.set_num_threads(threads)
+    assert counters["npugraph_ex_cache"]["compiled"] == compiled + 3
+    _matches_eager(fn, model, _served_inputs(5))  # the first entry again, on its plan
+    assert counters["npugraph_ex_cache"]["compiled"] == compiled + 3
 
 
 def test_serving_path_bound_plan_serves_two_threads(tmp_path: Path) -> None:

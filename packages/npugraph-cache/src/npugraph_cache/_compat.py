@@ -204,6 +204,56 @@ def guard_checker(compiled: Any) -> Callable[[tuple[Any, ...], dict[str, Any]], 
     return positional
 
 
+_TENSOR_ARG_GUARDS = frozenset({"TENSOR_MATCH", "DIMENSION_DYNAMIC_MARKING_GUARD",
+                                "NO_TENSOR_ALIASING"})
+
+
+def plain_tensor_guards(
+    compiled: Any, args: tuple[Any, ...]
+) -> tuple[Callable[..., bool], Callable[[], bool]] | None:
+    """For the serving plan: one C++ check standing in for the kept guards of an entry whose
+    arguments (after ``self``) are plain tensors, or None where its guard tree holds anything else.
+    Checked on torch 2.13.0: the tree of ``_artifacts.guard_manager.root`` then has GLOBAL_STATE
+    at the root and, under one FrameLocalsGuardAccessor per tensor argument, TENSOR_MATCH,
+    DIMENSION_DYNAMIC_MARKING_GUARD and NO_TENSOR_ALIASING (object identity). The returned
+    ``(tensors_match(*args), state_matches())`` pair is ``TensorGuards`` built from ``args`` (the
+    same per-tensor check as TENSOR_MATCH: type, dispatch keys, dtype, device, requires_grad,
+    sizes, strides; it also refuses one tensor object passed twice) and a ``GlobalStateGuard``
+    of now (the state the tree's GLOBAL_STATE passed for this call). It does not re-check
+    ``torch._dynamo.mark_dynamic`` markings on a call's tensors; where it answers False the
+    caller asks the tree."""
+    from torch._C._dynamo import guards
+
+    root = getattr(getattr(getattr(compiled, "_artifacts", None), "guard_manager", None),
+                   "root", None)
+    if (root is None or not args or any(type(a) is not torch.Tensor for a in args)
+            or not all(hasattr(guards, n) for n in ("TensorGuards", "GlobalStateGuard"))):
+        return None
+    try:
+        names = [type(g).__name__ for g in root.get_leaf_guards()]
+        if names != ["GLOBAL_STATE"] or root.get_epilogue_lambda_guards():
+            return None
+        children = root.get_child_managers()
+        params = list(compiled._artifacts.signature.parameters)[1:]
+        if ([type(a).__name__ for a in root.get_accessors()] != (
+                ["FrameLocalsGuardAccessor"] * len(args)) or len(params) != len(args)
+                or sorted(c.get_source() for c in children) != sorted(f"L['{n}']" for n in params)):
+            return None
+        for child in children:
+            kinds = {type(g).__name__ for g in child.get_leaf_guards()}
+            if child.get_child_managers() or "TENSOR_MATCH" not in kinds or not kinds <= _TENSOR_ARG_GUARDS:
+                return None
+        sizes: Any = [list(a.shape) for a in args]  # per tensor (the stub says per dim)
+        strides: Any = [list(a.stride()) for a in args]
+        tensors = guards.TensorGuards(*args, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
+        state = guards.GlobalStateGuard()
+        if not tensors.check(*args) or not state.check():
+            return None
+    except (AttributeError, TypeError, RuntimeError):
+        return None
+    return tensors.check, state.check
+
+
 def without_first_call_alias_check() -> Any:
     """Checked on torch 2.13.0: ``torch._functorch.config.check_custom_op_aliasing`` makes the
     first invocation of an AOT runtime wrapper run ``_AnalyzeCustomOpInputOutputMode`` over every

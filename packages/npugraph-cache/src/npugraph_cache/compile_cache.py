@@ -118,7 +118,8 @@ class _Entry:
     guards), the compiled function, and its direct-dispatch plan (None: through dynamo's
     bytecode) with the registration count it was made at."""
 
-    __slots__ = ("compiled", "direct", "guards_pass", "registrations", "signature", "values_match")
+    __slots__ = ("compiled", "direct", "guards_pass", "plain_guards", "registrations", "signature",
+                 "values_match")
 
     def __init__(
         self, signature: tuple[Any, ...], compiled: Any, values_match: Callable[[], bool],
@@ -129,6 +130,8 @@ class _Entry:
         self.values_match = values_match
         self.guards_pass = guards_pass
         self.direct: Direct | None = None
+        # the plan's own check of what the kept guards check (_compat.plain_tensor_guards)
+        self.plain_guards: tuple[Callable[..., bool], Callable[[], bool]] | None = None
         self.registrations = -1
 
 
@@ -191,15 +194,21 @@ class CacheCompiledFunction:
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        call_args = (self._module, *args)
         signature = value_signature(args, kwargs, self.dynamic)
         for entry in self._entries:
-            if (entry.signature == signature and entry.values_match()
-                    and entry.guards_pass(call_args, kwargs)):
-                direct = entry.direct
-                if direct is not None and entry.registrations == registrations() and not kwargs:
+            if entry.signature != signature or not entry.values_match():
+                continue
+            direct = entry.direct
+            if direct is not None and entry.registrations == registrations() and not kwargs:
+                plain = entry.plain_guards  # one C++ check where the tree holds nothing else
+                if (plain is not None and plain[0](*args) and plain[1]()) or entry.guards_pass(
+                        (self._module, *args), kwargs):
                     return direct(args)
+                continue
+            call_args = (self._module, *args)
+            if entry.guards_pass(call_args, kwargs):
                 return self._call_planning(entry, args, call_args, kwargs)
+        call_args = (self._module, *args)
         compiled, guards, loaded = self._obtain(args, kwargs)
         check = guards.checker(self._function.__globals__, self._module)
         self._entries.append(_Entry(signature, compiled, check, _compat.guard_checker(compiled)))
@@ -225,8 +234,12 @@ class CacheCompiledFunction:
         entry.registrations = count
         result, probe = _compat.probe_call(entry.compiled, call_args)
         entry.direct = plan(self._module, args, probe, result)
+        entry.plain_guards = None
         if entry.direct is not None:
             bump("direct_plans")
+            entry.plain_guards = _compat.plain_tensor_guards(entry.compiled, args)
+            if entry.plain_guards is not None:
+                _compat.dynamo_counters()["npugraph_ex_serving"]["plain_guard_plans"] += 1
         return result
 
     def _finish_entry(self) -> None:

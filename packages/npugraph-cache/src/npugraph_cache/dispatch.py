@@ -200,7 +200,7 @@ def _output_picker(out: Any, result: Any) -> Callable[[Any], Any] | None:
         return None
     for k, o in enumerate(out):
         if result is o:
-            return lambda got: got[k]
+            return operator.itemgetter(k)
     if type(result) is tuple and result:
         where = [next((k for k, o in enumerate(out) if r is o), None) for r in result]
         if None not in where:
