@@ -1,6 +1,10 @@
 """A cat in the replay is one ``copy_`` per input into its slice of the output, and a sign flip
 that only the cat reads writes straight into its slice (cpu_replay._split_cats): bitwise the
-same bytes as eager's cat, NaN payloads and signs and -0.0 included, over fresh inputs."""
+same bytes as eager's cat, NaN payloads and signs and -0.0 included, over fresh inputs.
+
+Which kernel re-issues each op is timed at capture (cpu_kernels): these tests give every
+candidate the same cost, so that what they check about the rewrite does not depend on how loaded
+the machine is (ties pick the out= binding, as a quiet machine does)."""
 
 from __future__ import annotations
 
@@ -9,6 +13,13 @@ from collections.abc import Callable
 import npugraph_runtime as ngr
 import pytest
 import torch
+from npugraph_runtime.devices import cpu_kernels
+
+
+@pytest.fixture(autouse=True)
+def _untimed_kernel_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_kernels, "_cost_ns", lambda fn, first_ns=None: 1000)
+    monkeypatch.setattr(cpu_kernels, "_DECIDED", {})
 
 
 def _capture(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> tuple[ngr.Graph, torch.Tensor]:
