@@ -859,6 +859,41 @@ def test_serving_path_bound_plan_serves_two_threads(tmp_path: Path) -> None:
     assert counters["npugraph_ex_cache"]["compiled"] == 1
 
 
+@pytest.mark.parametrize("start", ["cold", "warm"])
+def test_threads_making_the_first_calls_together_share_one_entry(tmp_path: Path, start: str) -> None:
+    """Four threads call a fresh cache_compile function at once: one compiles (cold) or loads
+    (warm) the entry, the others wait and use it, and every result equals eager."""
+    import threading
+
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = Served().eval()
+    if start == "warm":
+        _matches_eager(cache_compile(model.step, dynamic=False, cache_dir=tmp_path),
+                       model, _served_inputs(2))
+    before = dict(counters["npugraph_ex_cache"])
+    fn = cache_compile(model.step, dynamic=False, cache_dir=tmp_path)
+    barrier = threading.Barrier(4)
+    errors: list[BaseException] = []
+
+    def serve(n: int) -> None:
+        try:
+            barrier.wait(timeout=60)
+            _matches_eager(fn, model, _served_inputs(n))
+        except BaseException as exc:  # reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=serve, args=(n,)) for n in (4, 5, 6, 7)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors[0]
+    made = {k: counters["npugraph_ex_cache"][k] - before.get(k, 0) for k in ("compiled", "loaded")}
+    assert made == ({"compiled": 1, "loaded": 0} if start == "cold" else {"compiled": 0, "loaded": 1})
+
+
 @pytest.mark.cuda
 def test_serving_path_catches_a_user_input_on_another_device(tmp_path: Path) -> None:
     if not torch.cuda.is_available():

@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import inspect
 import os
+import threading
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -172,6 +173,10 @@ class CacheCompiledFunction:
         self.direct_dispatch = direct_dispatch
         # (path, metadata, payload) of an entry written before its first call
         self._unfinished: tuple[Path, dict[str, Any], bytes] | None = None
+        # a miss (compile or load, then the entry's first call) runs in one thread at a time: a
+        # thread that waited finds the entry the other made instead of compiling or loading its
+        # own copy, and _unfinished belongs to the entry whose first call finishes it
+        self._miss_lock = threading.RLock()
         self._entries: list[_Entry] = []
         self._self_name: str = self._function.__code__.co_varnames[0]
         self.entry_paths: list[Path] = []
@@ -208,7 +213,16 @@ class CacheCompiledFunction:
             call_args = (self._module, *args)
             if entry.guards_pass(call_args, kwargs):
                 return self._call_planning(entry, args, call_args, kwargs)
+        with self._miss_lock:
+            return self._miss(signature, args, kwargs)
+
+    def _miss(self, signature: tuple[Any, ...], args: tuple[Any, ...],
+              kwargs: dict[str, Any]) -> Any:
         call_args = (self._module, *args)
+        for entry in self._entries:  # one another thread added while this one waited
+            if (entry.signature == signature and entry.values_match()
+                    and entry.guards_pass(call_args, kwargs)):
+                return self._call_planning(entry, args, call_args, kwargs)
         compiled, guards, loaded = self._obtain(args, kwargs)
         check = guards.checker(self._function.__globals__, self._module)
         self._entries.append(_Entry(signature, compiled, check, _compat.guard_checker(compiled)))
