@@ -8,7 +8,6 @@ is unpickled."""
 from __future__ import annotations
 
 import logging
-import threading
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -37,14 +36,12 @@ class NpuOnlyOptionWarning(UserWarning):
     """An NPU-only option was set for a graph on another device, where it does nothing."""
 
 
-_graph_ids_lock = threading.Lock()
-
 UNSAFE_NODES_META = "npugraph_ex_unsafe_nodes"
 
 
 def next_graph_name() -> str:
-    with _graph_ids_lock:  # the runtime's counter: its unnamed callables share the names' space
-        return default_name()
+    # the runtime's counter (atomic under the GIL): its unnamed callables share the names' space
+    return default_name()
 
 
 def warn_npu_only_options(config: CompilerConfig, device: torch.device) -> None:

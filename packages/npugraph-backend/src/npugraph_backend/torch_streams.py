@@ -234,7 +234,6 @@ def with_external_waits(
         return compiled(*args)
 
     call._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
-    call.external_waits = tuple(waits)  # type: ignore[attr-defined]
     return call
 
 

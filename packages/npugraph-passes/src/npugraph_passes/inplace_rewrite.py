@@ -28,9 +28,8 @@ aten = torch.ops.aten
 def _views(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The users of ``node`` that are views of it: the known view ops, any op whose schema says
     its result aliases ``node`` without writing it, and items of a list of views (``detach``,
-    ``split(...)[i]``: a reinplaced tensor's
-    detached view left in the old storage would let a later op be reinplaced into it, writing
-    a returned tensor)."""
+    ``split(...)[i]``: a reinplaced tensor's detached view left in the old storage would let a
+    later op be reinplaced into it, writing a returned tensor)."""
     return [u for u in node.users if u.target in VIEW_TARGETS or (not written_args(u) and (
         alias_base(u) is node
         # one view of a list of views (split): its alias_base is the list's base
