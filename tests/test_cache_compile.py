@@ -829,8 +829,6 @@ def test_serving_path_plans_own_guard_check_sees_layout_identity_and_global_stat
 def test_serving_path_bound_plan_serves_two_threads(tmp_path: Path) -> None:
     """Two threads on one planned entry: each result equals eager while the other thread's calls
     replay (a held result moves the other call to another capture)."""
-    import threading
-
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
@@ -838,25 +836,36 @@ def test_serving_path_bound_plan_serves_two_threads(tmp_path: Path) -> None:
     fn = cache_compile(model.step, dynamic=False, cache_dir=tmp_path)
     _matches_eager(fn, model, _served_inputs(3))
     assert counters["npugraph_ex_serving"]["bound_plans"] == 1
-    errors: list[BaseException] = []
 
     def serve(n: int) -> None:
+        for args in _served_inputs(n):
+            got = fn(*args)
+            with torch.no_grad():
+                expected = model.step(*args)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+    _in_threads(serve, (20, 21))
+    assert counters["npugraph_ex_cache"]["compiled"] == 1
+
+
+def _in_threads(work: Any, seeds: tuple[int, ...]) -> None:
+    """``work(seed)`` in one thread per seed, all joined; the first failure is raised here."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def run(seed: int) -> None:
         try:
-            for args in _served_inputs(n):
-                got = fn(*args)
-                with torch.no_grad():
-                    expected = model.step(*args)
-                torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+            work(seed)
         except BaseException as exc:  # reported by the main thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=serve, args=(n,)) for n in (20, 21)]
+    threads = [threading.Thread(target=run, args=(n,)) for n in seeds]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=300)
     assert not errors, errors[0]
-    assert counters["npugraph_ex_cache"]["compiled"] == 1
 
 
 @pytest.mark.parametrize("start", ["cold", "warm"])
@@ -875,21 +884,12 @@ def test_threads_making_the_first_calls_together_share_one_entry(tmp_path: Path,
     before = dict(counters["npugraph_ex_cache"])
     fn = cache_compile(model.step, dynamic=False, cache_dir=tmp_path)
     barrier = threading.Barrier(4)
-    errors: list[BaseException] = []
 
     def serve(n: int) -> None:
-        try:
-            barrier.wait(timeout=60)
-            _matches_eager(fn, model, _served_inputs(n))
-        except BaseException as exc:  # reported by the main thread
-            errors.append(exc)
+        barrier.wait(timeout=60)
+        _matches_eager(fn, model, _served_inputs(n))
 
-    threads = [threading.Thread(target=serve, args=(n,)) for n in (4, 5, 6, 7)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    assert not errors, errors[0]
+    _in_threads(serve, (4, 5, 6, 7))
     made = {k: counters["npugraph_ex_cache"][k] - before.get(k, 0) for k in ("compiled", "loaded")}
     assert made == ({"compiled": 1, "loaded": 0} if start == "cold" else {"compiled": 0, "loaded": 1})
 
