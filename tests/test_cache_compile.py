@@ -881,7 +881,7 @@ def test_threads_making_the_first_calls_together_share_one_entry(tmp_path: Path,
     if start == "warm":
         _matches_eager(cache_compile(model.step, dynamic=False, cache_dir=tmp_path),
                        model, _served_inputs(2))
-    before = dict(counters["npugraph_ex_cache"])
+    before, captures = dict(counters["npugraph_ex_cache"]), _captures()
     fn = cache_compile(model.step, dynamic=False, cache_dir=tmp_path)
     barrier = threading.Barrier(4)
 
@@ -892,6 +892,7 @@ def test_threads_making_the_first_calls_together_share_one_entry(tmp_path: Path,
     _in_threads(serve, (4, 5, 6, 7))
     made = {k: counters["npugraph_ex_cache"][k] - before.get(k, 0) for k in ("compiled", "loaded")}
     assert made == ({"compiled": 1, "loaded": 0} if start == "cold" else {"compiled": 0, "loaded": 1})
+    assert _captures() > captures  # replayed, not run eagerly
 
 
 @pytest.mark.cuda
