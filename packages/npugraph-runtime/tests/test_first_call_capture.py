@@ -96,7 +96,9 @@ def test_as_strided_read_recaptures_without_writing_twice() -> None:
 
 
 @torch.no_grad()
-def test_a_write_to_another_tensor_is_undone_and_the_call_runs_eagerly() -> None:
+def test_a_write_to_another_tensor_stays_and_the_capture_is_the_call() -> None:
+    # It used to be undone and the call run again eagerly: fn ran twice in one call, and so did
+    # its collectives (test_collectives_once.py)
     hidden, eager_hidden = torch.zeros(2), torch.zeros(2)
 
     def body(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
@@ -104,11 +106,33 @@ def test_a_write_to_another_tensor_is_undone_and_the_call_runs_eagerly() -> None
         return x + h
 
     g, runs = graphed(lambda x: body(x, hidden), (torch.randn(2),))
-    x = torch.randn(2)
-    torch.testing.assert_close(g(x), body(x, eager_hidden), rtol=0, atol=0)
-    torch.testing.assert_close(hidden, eager_hidden, rtol=0, atol=0)
-    assert len(runs) == 2  # the capture (undone), then the eager run
+    for i in range(6):
+        x = torch.randn(2)
+        torch.testing.assert_close(g(x), body(x, eager_hidden), rtol=0, atol=0)
+        torch.testing.assert_close(hidden, eager_hidden, rtol=0, atol=0)
+        if i == 0:
+            assert len(runs) == 1  # the capture, and no eager run after it
+    assert len(runs) == 1
     assert g.num_captures == 1
+
+
+@torch.no_grad()
+def test_extra_warmup_runs_leave_no_write_behind() -> None:
+    # undone warm-up runs used to restore the mutated inputs only: a tensor fn writes besides
+    # them (its state, here through a view) was written once per warm-up run
+    state, eager_state = torch.zeros(4), torch.zeros(4)
+
+    def body(x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        s.view(2, 2).add_(1)
+        s[1:].mul_(2)
+        return x + s
+
+    g = ngr.make_graphed_callable(lambda x: body(x, state), (torch.randn(4),), warmup=3)
+    for _ in range(6):
+        x = torch.randn(4)
+        torch.testing.assert_close(g(x), body(x, eager_state), rtol=0, atol=0)
+        torch.testing.assert_close(state, eager_state, rtol=0, atol=0)
+    assert g.num_captures >= 1 and g.events[0].reason == "new_key"
 
 
 @torch.no_grad()

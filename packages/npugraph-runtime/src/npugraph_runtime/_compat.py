@@ -190,3 +190,27 @@ else:  # pragma: no cover - older torch
 
     def profiler_enabled() -> bool:
         return bool(torch.autograd._profiler_enabled())  # type: ignore[attr-defined]
+
+
+# --- devices/no_launch.py: what a collective that is not launched returns -------------------------
+def completed_work() -> Any:
+    """Checked on torch 2.13.0: ``torch._C._distributed_c10d._create_work_from_future`` makes a
+    ``Work`` of a completed future, and ``Work.boxed()`` the ScriptObject a ``c10d::*`` op returns
+    (a plain ``FakeWork`` is refused there: it is no ScriptObject)."""
+    from torch._C._distributed_c10d import _create_work_from_future  # type: ignore[attr-defined]
+
+    done: torch.futures.Future[None] = torch.futures.Future()
+    done.set_result(None)
+    return _create_work_from_future(done).boxed()
+
+
+def fake_results(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Checked on torch 2.13.0: ``func`` run under ``torch._subclasses.FakeTensorMode`` on fake
+    copies of its tensors gives its results' sizes, strides, dtypes and devices without running it
+    (the ``_c10d_functional`` ops have fake kernels; a meta tensor is refused by them)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._pytree import tree_map_only
+
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fake = tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+        return func(*fake[0], **fake[1])

@@ -14,6 +14,7 @@ import torch
 from npugraph_runtime.core_limit import capture_core_limit
 from npugraph_runtime.devices.base import DeviceGraph, PoolHandle
 from npugraph_runtime.devices.cpu import CpuGraph
+from npugraph_runtime.devices.no_launch import UndoneRun
 from npugraph_runtime.errors import CaptureError, PolicyError
 from npugraph_runtime.graphs import Graph, graph
 from npugraph_runtime.inputs import WriteWatch, mirror, non_overlapping, storage_ptr
@@ -59,7 +60,7 @@ class Capture:
     """One captured graph and what its replay closure needs kept alive."""
 
     __slots__ = ("addresses", "args", "buffers", "callers", "core_limit", "graph", "holds", "key",
-                 "mirrored", "outputs", "plan", "ran", "replay", "watched_ptrs")
+                 "mirrored", "outputs", "plan", "replay", "watched_ptrs")
 
     def __init__(
         self, key: Key, graph: DeviceGraph, args: list[object], buffers: list[torch.Tensor],
@@ -82,9 +83,6 @@ class Capture:
         self.holds: Holds | None = None
         self.plan: OutputPlan | None = None
         self.replay: Callable[[Args], object] = _unset
-        # the capture's own run was the call's (record(as_call=True)): its writes to the mutated
-        # inputs stay and its outputs are the call's result
-        self.ran = False
 
     def dropped(self) -> bool:
         """The caller let go of a mutated tensor of this capture (a finished request's cache):
@@ -108,12 +106,15 @@ def warm_up(fn: Callable[..., object], args: Args, slots: Slots, runs: int) -> o
 
 
 def undone_runs(fn: Callable[..., object], args: Args, slots: Slots, runs: int) -> None:
-    """``runs`` eager calls of ``fn``, each undone (its writes to the mutated inputs)."""
+    """``runs`` eager calls of ``fn``, each undone (its writes to the mutated inputs and to any
+    other tensor), none of them launching a collective: the call's own run does."""
     if runs > 0:
         mutated = [tensor(args, i) for i in slots.mutated]
         snapshot = [t.clone() for t in mutated]
         for _ in range(runs):
-            fn(*args)
+            with UndoneRun() as run:
+                fn(*args)
+            run.restore()
             for t, s in zip(mutated, snapshot, strict=True):
                 t.copy_(s)
 
@@ -136,10 +137,9 @@ def record(
     builds the capture's replay closure.
 
     ``as_call`` (a graph whose capture computes, see capture_runs_fn): the capture's run is the
-    call's, as an eager run would be: the writes of the capture that is kept stay, those of a
-    capture made again (mirrored) or refused are undone first. Only writes to the mutated inputs
-    may stay: if the run wrote any other tensor that existed before it, every write is undone and
-    ``ran`` stays False (the caller then runs the call eagerly).
+    call's, as an eager run would be: the writes of the capture that is kept stay,
+    those of a capture made again (mirrored) or refused are undone first. Otherwise the CPU
+    capture's writes are undone and its collectives are recorded but not launched.
 
     ``mirrored``: the inputs an earlier capture of the same fn found read through as_strided,
     mirrored from the start: a capture made again runs fn twice, its collectives too, and a
@@ -165,12 +165,9 @@ def record(
         g.reset()
         raise
     if isinstance(g, CpuGraph) and as_call:
-        mutated = {storage_ptr(tensor(args, i)) for i in slots.mutated}
-        cap.ran = all(st.data_ptr() in mutated for st in g.written())
-        if cap.ran:
-            g.drop_undo()
-        else:
-            g.undo_writes()
+        # every write stays, to the mutated inputs and to any other tensor fn writes (its state):
+        # the run was the call's, as an eager run would be (inputs fn may not write were refused)
+        g.drop_undo()
     return cap
 
 
@@ -195,8 +192,10 @@ def _record_once(
     watch = WriteWatch({p: i for p, i in watched.items() if p and p not in mutated},
                        {p: i for p, i in users.items() if p})
     g = Graph(device)
-    if as_call and isinstance(g, CpuGraph):
-        g.keep_writes = True
+    if isinstance(g, CpuGraph):
+        # a run that is not the call's launches no collective: the call's own run (a warm-up,
+        # or the replay after this) issues each one once
+        g.keep_writes = g.launch_collectives = as_call
     with (
         torch.profiler.record_function(CAPTURE_RANGE),
         graph(g, pool=pool, capture_error_mode=policy.capture_error_mode),

@@ -416,11 +416,9 @@ class GraphedCallable:
         if cap.holds is not None:
             cap.holds.settle()  # nothing outside the capture holds its outputs yet
         if as_call:
-            # the capture's run was this call (cap.ran), or undid its writes (it wrote another
-            # tensor than the mutated inputs): then the call runs eagerly, once
-            if cap.ran and cap.plan is not None:
-                return cap.plan.own(args)
-            return self._fn(*args)
+            # the capture's run was this call: its writes stay, its outputs are returned cloned
+            assert cap.plan is not None
+            return cap.plan.own(args)
         if result is not _NO_RESULT:
             note_result(result)  # the warmup's result is the call's, as a replay's would be
             return result

@@ -80,6 +80,9 @@ class CpuGraph:
         # the capture's run computes: when set, a successful capture keeps its writes to
         # storages that existed before it (the run then is the caller's call, see capture.py)
         self.keep_writes = False
+        # the capture's run launches the collectives it records; when unset they are recorded
+        # only and stand in for themselves locally, as an accelerator's capture launches nothing
+        self.launch_collectives = True
         self._kept: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
 
     # --- capture -------------------------------------------------------------------------------
@@ -115,6 +118,7 @@ class CpuGraph:
             self._release()
         self._pool = cpu_pool(self._handle)
         recorder = Recorder(capture_error_mode)
+        recorder.launch = self.launch_collectives
         recorder.__enter__()  # type: ignore[no-untyped-call]
         recorder.host_reads.__enter__()  # type: ignore[no-untyped-call]
         self._recorder = recorder

@@ -37,6 +37,7 @@ from npugraph_runtime.devices.cpu_streams import (
     is_event_marker,
     replays_marker,
 )
+from npugraph_runtime.devices.no_launch import launches, stand_in
 from npugraph_runtime.errors import CaptureError, CrossStreamWarning, DeviceError, NpugraphError
 
 _CPU = torch.device("cpu")
@@ -300,6 +301,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
         self._producer: dict[int, int] = {}
         self._last_write: dict[int, int] = {}
         self.in_flight = InFlight()
+        # launch collectives while recording (the run is the caller's call), or only record them
+        self.launch = True
 
     # --- bookkeeping ---------------------------------------------------------------------------
     def _ref(self, t: torch.Tensor, index: int, produced: bool = False) -> int:
@@ -449,6 +452,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
     ) -> Any:
         kwargs = kwargs or {}
         if self.error is not None:
+            if not self.launch and launches(func):
+                return stand_in(func, args, kwargs)
             return func(*args, **kwargs)
         if _compat.is_higher_order(func):
             return self._inline(func, args, kwargs)
@@ -547,7 +552,10 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
                 self_storage = args[0].untyped_storage()
                 if all(t.untyped_storage() is not self_storage for t in inputs[1:]):
                     before = _exact_copy(args[0])
-        result = func(*args, **kwargs)
+        if self.launch or not launches(func):
+            result = func(*args, **kwargs)
+        else:  # recorded, launched by the replays only (see no_launch)
+            result = stand_in(func, args, kwargs)
         leaves: list[tuple[tuple[int, ...], torch.Tensor]] = (
             [((), result)] if isinstance(result, torch.Tensor)
             else [(p, v) for p, v in _leaves(result) if isinstance(v, torch.Tensor)]
