@@ -28,8 +28,13 @@ def _counters() -> dict[str, int]:
     return dict(torch._dynamo.utils.counters["npugraph_ex"])
 
 
+def _issued() -> int:
+    return int(dist.group.WORLD._get_sequence_number_for_group())
+
+
 def _scenario(rank: int, fn: Callable[..., torch.Tensor], make: Callable[[int], list[torch.Tensor]],
-              keep: bool, by_hand: bool = False) -> dict[str, Any]:
+              keep: bool, by_hand: bool = False, options: dict[str, Any] | None = None,
+              fullgraph: bool = True, dynamic: bool = False) -> dict[str, Any]:
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     if by_hand:  # npugraph_runtime's capture manager around the eager function
@@ -37,14 +42,23 @@ def _scenario(rank: int, fn: Callable[..., torch.Tensor], make: Callable[[int], 
 
         compiled = ngr.make_graphed_callable(fn, tuple(make(0)), name="by_hand")
     else:
-        compiled = torch.compile(fn, backend="npugraph_ex", fullgraph=True, dynamic=False)
+        compiled = torch.compile(fn, backend="npugraph_ex", fullgraph=fullgraph, dynamic=dynamic,
+                                 options=options or {})
     bad: list[int] = []
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    # the collectives this rank issued in each call, compiled and eager: the same, or a rank
+    # that captures on a call the other does not would put the ranks out of step
+    counts: list[int] = []
+    eager_counts: list[int] = []
     for i in range(CALLS):
         args = make(i)
         eager_args = [a.clone() for a in args]
+        before = _issued()
         got = compiled(*args)
+        counts.append(_issued() - before)
+        before = _issued()
         want = fn(*eager_args)
+        eager_counts.append(_issued() - before)
         if not torch.equal(got, want) or not all(
                 torch.equal(a, b) for a, b in zip(args, eager_args, strict=True)):
             bad.append(i)
@@ -53,11 +67,15 @@ def _scenario(rank: int, fn: Callable[..., torch.Tensor], make: Callable[[int], 
         del got  # rank 1 holds nothing across calls
     stale = [i for i, (got, want) in enumerate(kept) if not torch.equal(got, want)]
     counters = _counters()
-    return {"bad": bad, "stale": stale,
+    return {"bad": bad, "stale": stale, "counts": counts, "eager_counts": eager_counts,
             "captured": sum(v for k, v in counters.items() if k.startswith("captured_")),
             "held": sum(v for k, v in counters.items() if k.startswith("capture_due_to_held")),
             "mutated": sum(v for k, v in counters.items()
-                           if k.startswith("recapture_due_to_mutated_input_change"))}
+                           if k.startswith("recapture_due_to_mutated_input_change")),
+            "forced": sum(v for k, v in counters.items()
+                          if k.startswith("recapture_due_to_force_recapture")),
+            "new_keys": sum(v for k, v in counters.items() if k.startswith("capture_due_to_new_key")),
+            "eager": sum(v for k, v in counters.items() if k.startswith(("eager_", "eager_fallback")))}
 
 
 def _fresh(rank: int) -> Callable[[int], list[torch.Tensor]]:
@@ -84,6 +102,26 @@ def cached_all_reduce(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     return y - x
 
 
+def all_reduce_input(x: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(x)  # in place on the caller's tensor: applied twice, world_size x the sum
+    return x * 2
+
+
+def broken_all_reduces(x: torch.Tensor) -> torch.Tensor:
+    y = x * 2
+    dist.all_reduce(y)
+    torch._dynamo.graph_break()
+    z = y.sin()
+    dist.all_reduce(z)
+    return z + 1
+
+
+def keyed_all_reduce(x: torch.Tensor, extra: torch.Tensor) -> torch.Tensor:
+    y = x * 2 + extra.sum()  # extra's length is the graph key (dynamic=True)
+    dist.all_reduce(y)
+    return y
+
+
 def main() -> None:
     rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     torch.set_num_threads(1)
@@ -96,7 +134,13 @@ def main() -> None:
         cache = caches[i % 2] if rank == 0 else caches[0]
         return [_fresh(rank)(i)[0], cache]
 
+    def keyed(i: int) -> list[torch.Tensor]:
+        # rank 0 takes a new key (extra's length) on every call, rank 1 replays its one
+        n = i + 2 if rank == 0 else 3
+        return [_fresh(rank)(i)[0], torch.randn(n, generator=torch.Generator().manual_seed(i))]
+
     results: dict[str, Any] = {}
+    held = rank == 0
     runs = {
         "held_outputs_on_one_rank": lambda: _scenario(rank, all_reduce, _fresh(rank), rank == 0),
         "new_cache_on_one_rank": lambda: _scenario(rank, cached_all_reduce, with_cache, False),
@@ -104,7 +148,25 @@ def main() -> None:
             rank, strided_all_reduce, _fresh(rank), rank == 0),
         "held_outputs_on_one_rank_by_hand": lambda: _scenario(
             rank, all_reduce, _fresh(rank), rank == 0, by_hand=True),
+        "force_recapture": lambda: _scenario(
+            rank, all_reduce, _fresh(rank), False, options={"force_recapture": True}),
+        "capture_limit_held_on_one_rank": lambda: _scenario(
+            rank, all_reduce, _fresh(rank), held, options={"capture_limit": 2}),
+        "clone_input_false_held_on_one_rank": lambda: _scenario(
+            rank, all_reduce, _fresh(rank), held, options={"clone_input": False}),
+        "input_all_reduced_held_on_one_rank": lambda: _scenario(
+            rank, all_reduce_input, _fresh(rank), held),
+        "input_all_reduced_force_recapture": lambda: _scenario(
+            rank, all_reduce_input, _fresh(rank), False, options={"force_recapture": True}),
+        "graph_break_held_on_one_rank": lambda: _scenario(
+            rank, broken_all_reduces, _fresh(rank), held, fullgraph=False),
+        "new_keys_on_one_rank": lambda: _scenario(rank, keyed_all_reduce, keyed, False,
+                                                  dynamic=True),
+        "new_keys_on_one_rank_held": lambda: _scenario(rank, keyed_all_reduce, keyed, held,
+                                                       dynamic=True),
     }
+    chosen = sys.argv[4].split(",") if len(sys.argv) > 4 else list(runs)
+    runs = {name: runs[name] for name in chosen}
     for name, run in runs.items():
         try:
             results[name] = run()

@@ -21,6 +21,7 @@ from typing import Any
 import npugraph_runtime as ngr
 import torch
 import torch.distributed as dist
+from npugraph_runtime.spec import CapturePolicy, InputSpec
 
 CALLS = 6
 
@@ -29,12 +30,14 @@ def _issued() -> int:
     return int(dist.group.WORLD._get_sequence_number_for_group())
 
 
-def _fn() -> tuple[Callable[..., torch.Tensor], torch.Tensor]:
-    """fn(x, cache, n) and the step counter it writes besides its inputs."""
+def _fn(strided: bool = False) -> tuple[Callable[..., torch.Tensor], torch.Tensor]:
+    """fn(x, cache, n) and the step counter it writes besides its inputs. ``strided``: fn reads
+    x through as_strided (its first capture is made again, with a buffer mirroring x's
+    storage)."""
     steps = torch.zeros(())
 
     def fn(x: torch.Tensor, cache: torch.Tensor, n: int) -> torch.Tensor:
-        cache.add_(x * n)
+        cache.add_((x.as_strided((3, 4), (4, 1)) if strided else x) * n)
         dist.all_reduce(cache)  # in place: applied twice it gives world_size x the sum
         return cache * 2 + x
 
@@ -45,9 +48,10 @@ def _fn() -> tuple[Callable[..., torch.Tensor], torch.Tensor]:
     return fn_counting, steps
 
 
-def _scenario(rank: int, ns: Callable[[int], int], keep: bool, **policy: Any) -> dict[str, Any]:
-    fn, steps = _fn()
-    ref, ref_steps = _fn()
+def _scenario(rank: int, ns: Callable[[int], int], keep: bool, strided: bool = False,
+              functional: bool = False, **policy: Any) -> dict[str, Any]:
+    fn, steps = _fn(strided)
+    ref, ref_steps = _fn(strided)
     gen = torch.Generator().manual_seed(rank)
 
     def fresh() -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,8 +59,13 @@ def _scenario(rank: int, ns: Callable[[int], int], keep: bool, **policy: Any) ->
 
     x0, c0 = fresh()
     cache, ref_cache = c0.clone(), c0.clone()
-    compiled = ngr.make_graphed_callable(fn, (x0, cache, ns(0)), mutated_argnums=(1,),
-                                         name=f"once_{rank}", **policy)
+    if functional:  # as the backend makes it: a new key's capture is the call's own run
+        spec = InputSpec.infer((x0, cache, ns(0)), (), (1,))
+        compiled = ngr.GraphedCallable(fn, spec, CapturePolicy(name=f"once_{rank}", **policy),
+                                       functional=True)
+    else:
+        compiled = ngr.make_graphed_callable(fn, (x0, cache, ns(0)), mutated_argnums=(1,),
+                                             name=f"once_{rank}", **policy)
     bad: list[int] = []
     counts: list[int] = []
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -98,6 +107,10 @@ def main() -> None:
         "capture_limit_reached_on_one_rank": lambda: _scenario(rank, new_keys, False,
                                                                capture_limit=2),
         "clone_input_false": lambda: _scenario(rank, new_keys, rank == 0, clone_input=False),
+        "as_strided_held_outputs_on_one_rank": lambda: _scenario(rank, same, rank == 0,
+                                                                 strided=True),
+        "as_strided_functional": lambda: _scenario(rank, new_keys, rank == 0, strided=True,
+                                                   functional=True),
     }
     chosen = sys.argv[4].split(",") if len(sys.argv) > 4 else list(runs)
     results: dict[str, Any] = {}

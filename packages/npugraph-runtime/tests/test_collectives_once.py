@@ -110,3 +110,15 @@ def test_capture_limit_reached_on_one_rank(ranks: list[dict[str, Any]]) -> None:
 def test_clone_input_false(ranks: list[dict[str, Any]]) -> None:
     moving, staying = _check(ranks, "clone_input_false")
     assert moving["captures"] == 6 and staying["captures"] == 1, (moving, staying)
+
+
+def test_a_first_capture_made_again_for_an_as_strided_read(ranks: list[dict[str, Any]]) -> None:
+    # the capture is made again with a buffer mirroring x's storage: the run to be discarded
+    # launched fn's collective too
+    held, dropped = _check(ranks, "as_strided_held_outputs_on_one_rank")
+    assert "held_outputs" in held["events"], held
+    assert dropped["events"] == ["new_key"], dropped
+    # a functional fn's new key is captured as the call's own run: the discarded first run
+    # stopped launching at its as_strided read
+    moving, staying = _check(ranks, "as_strided_functional")
+    assert moving["captures"] == 6 and staying["events"] == ["new_key"], (moving, staying)

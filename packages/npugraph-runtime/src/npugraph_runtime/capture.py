@@ -142,8 +142,9 @@ def record(
     capture's writes are undone and its collectives are recorded but not launched.
 
     ``mirrored``: the inputs an earlier capture of the same fn found read through as_strided,
-    mirrored from the start: a capture made again runs fn twice, its collectives too, and a
-    later capture (held outputs, a new address) may be made on one rank only.
+    mirrored from the start: a capture made again runs fn twice, and a later capture (held
+    outputs, a new address) may be made on one rank only. The run to be made again launches
+    no collective from its first such read on (only one issued before it is launched twice).
 
     ``adoptable`` (clone_input=False): the storages a user tensor may be adopted from as its
     buffer; None: any (see _buffers)."""
@@ -176,6 +177,14 @@ def _undo(g: DeviceGraph) -> None:
         g.undo_writes()
 
 
+def _stop_launching_if_unmirrored(g: CpuGraph, mirrored: frozenset[int]) -> Callable[[int], None]:
+    def seen(slot: int) -> None:
+        if slot not in mirrored:
+            g.stop_launching()
+
+    return seen
+
+
 def _record_once(
     fn: Callable[..., object], name: str, spec: InputSpec, policy: CapturePolicy, slots: Slots,
     args: Args, mirrored: frozenset[int], device: torch.device, pool: PoolHandle | None,
@@ -189,13 +198,16 @@ def _record_once(
     watched = dict(users)
     for i in slots.static:
         watched.setdefault(storage_ptr(tensor(args, i)), i)
-    watch = WriteWatch({p: i for p, i in watched.items() if p and p not in mutated},
-                       {p: i for p, i in users.items() if p})
     g = Graph(device)
+    again = None
     if isinstance(g, CpuGraph):
         # a run that is not the call's launches no collective: the call's own run (a warm-up,
-        # or the replay after this) issues each one once
+        # or the replay after this) issues each one once. Nor does a run from the moment it
+        # reads an unmirrored input through as_strided: it is made again, mirrored (record)
         g.keep_writes = g.launch_collectives = as_call
+        again = _stop_launching_if_unmirrored(g, mirrored)
+    watch = WriteWatch({p: i for p, i in watched.items() if p and p not in mutated},
+                       {p: i for p, i in users.items() if p}, again)
     with (
         torch.profiler.record_function(CAPTURE_RANGE),
         graph(g, pool=pool, capture_error_mode=policy.capture_error_mode),

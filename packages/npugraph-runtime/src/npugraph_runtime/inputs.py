@@ -43,10 +43,12 @@ class WriteWatch(TorchDispatchMode):  # type: ignore[misc]
     # higher-order operators (cond, invoke_subgraph, ...) pass through unchecked rather than fail
     supports_higher_order_operators = True
 
-    def __init__(self, watched: dict[int, int], raw: dict[int, int] | None = None) -> None:
+    def __init__(self, watched: dict[int, int], raw: dict[int, int] | None = None,
+                 on_raw_read: Callable[[int], object] | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.watched = watched
         self.raw = raw or {}
+        self.on_raw_read = on_raw_read  # told each raw read's input index as it happens
         self.written: dict[int, str] = {}  # input index -> the first op that wrote it
         self.raw_reads: set[int] = set()
 
@@ -64,6 +66,8 @@ class WriteWatch(TorchDispatchMode):  # type: ignore[misc]
             slot = self.raw.get(storage_ptr(args[0]))
             if slot is not None:
                 self.raw_reads.add(slot)
+                if self.on_raw_read is not None:
+                    self.on_raw_read(slot)
         if positions or names:
             targets = [args[i] for i in positions if i < len(args)] + [kwargs.get(n) for n in names]
             for t in _flat_tensors(targets):

@@ -174,6 +174,12 @@ class CpuGraph:
         self._tensors = recorder.tensors
         self._replay, self._issued = generate(recorder.steps, recorder.tensors, dead)
 
+    def stop_launching(self) -> None:
+        """The capture in progress records the collectives still to come without launching them
+        (its run is to be discarded and made again)."""
+        if self._recorder is not None:
+            self._recorder.launch = False
+
     def written(self) -> list[torch.UntypedStorage]:
         """The storages that existed before the last capture and that its kept run wrote."""
         return [st for st, _ in self._kept]
