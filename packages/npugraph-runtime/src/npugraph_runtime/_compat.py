@@ -6,6 +6,7 @@ same signature): present with the same shape."""
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -214,3 +215,48 @@ def fake_results(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     with FakeTensorMode(allow_non_fake_inputs=False) as mode:
         fake = tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
         return func(*fake[0], **fake[1])
+
+
+# --- devices/cpu_recorder.py: functional collectives' lazy results in a hand-written capture ------
+@functools.cache
+def _async_collective_type() -> type | None:
+    """Checked on torch 2.13.0: ``torch.distributed._functional_collectives.AsyncCollectiveTensor``
+    wraps a functional collective's result (``elem``, ``completed``) and waits on it in its own
+    ``__torch_dispatch__`` when first used, where a dispatch mode no longer sees the wait."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        return None
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    return cast(type, AsyncCollectiveTensor)
+
+
+def resolve_async_collectives(
+    args: tuple[Any, ...], kwargs: dict[str, Any], wait: Callable[[Any], torch.Tensor],
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """``args`` and ``kwargs`` with each AsyncCollectiveTensor (at the top or in a list) replaced
+    by ``wait(it)``; None when there is none."""
+    kind = _async_collective_type()
+    if kind is None:
+        return None
+
+    def found(v: Any) -> bool:
+        return type(v) is kind or (type(v) in (list, tuple) and any(type(x) is kind for x in v))
+
+    if not any(map(found, args)) and not any(map(found, kwargs.values())):
+        return None
+
+    def swap(v: Any) -> Any:
+        if type(v) is kind:
+            return wait(v)
+        if type(v) in (list, tuple) and any(type(x) is kind for x in v):
+            return type(v)(swap(x) for x in v)
+        return v
+
+    return tuple(map(swap, args)), {k: swap(v) for k, v in kwargs.items()}
+
+
+def wait_tensor_overload() -> Any:
+    """Checked on torch 2.13.0 and 2.11: the OpOverload ``_c10d_functional.wait_tensor.default``."""
+    return torch.ops._c10d_functional.wait_tensor.default

@@ -461,10 +461,23 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
         # keep it out of the host-read guard
         with _compat.no_torch_function():
             try:
+                # a functional collective's lazy result waits in its own dispatch, unseen: the
+                # wait is recorded here, before the op that uses it, or a replay would read the
+                # result before it is there
+                resolved = _compat.resolve_async_collectives(args, kwargs, self._wait_async)
+                if resolved is not None:
+                    args, kwargs = resolved
                 return self._record(func, args, kwargs)
             except NpugraphError as e:
                 self.fail(e)
                 raise
+
+    def _wait_async(self, t: Any) -> torch.Tensor:
+        elem: torch.Tensor = t.elem
+        if not t.completed:
+            self._record(_compat.wait_tensor_overload(), (elem,), {})
+            t.completed = True
+        return elem
 
     def _inline(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """A higher-order operator: its eager implementation runs with the recorder active again,

@@ -24,14 +24,15 @@ from npugraph_runtime._compat import TorchDispatchMode
 from npugraph_runtime.schema import write_positions
 
 _NAMESPACES = frozenset({"c10d", "_c10d_functional"})
-_WAIT = "wait_tensor"
+# the ops of those namespaces that talk to no other rank (checked on torch 2.13.0)
+_LOCAL = frozenset({"wait_tensor", "_wrap_tensor_autograd", "check_for_nan"})
 
 __all__ = ["NoLaunch", "UndoneRun", "launches", "stand_in"]
 
 
 def launches(func: Any) -> bool:
-    """``func`` communicates with other ranks (its wait does not: it waits on this rank's work)."""
-    return func.namespace in _NAMESPACES and _compat.op_base_name(func) != _WAIT
+    """``func`` communicates with other ranks (a wait does not: it waits on this rank's work)."""
+    return func.namespace in _NAMESPACES and _compat.op_base_name(func) not in _LOCAL
 
 
 def stand_in(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -117,6 +118,21 @@ class NoLaunch(TorchDispatchMode):  # type: ignore[misc,no-untyped-call]
         return func(*args, **kwargs)
 
 
+def _plain(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``args`` with each functional collective's lazy result waited on (its own wait is unseen by
+    a mode) and replaced by the plain tensor it wraps."""
+    resolved = _compat.resolve_async_collectives(args, kwargs, lambda t: t.trigger_wait())
+    return (args, kwargs) if resolved is None else resolved
+
+
+def _ptr(t: torch.Tensor) -> int:
+    """``t``'s storage address; 0 for a tensor without one of its own (a wrapper subclass)."""
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except RuntimeError:
+        return 0
+
+
 # namespaces whose schemas declare every argument they write; another op may write any input
 _TRUSTED = frozenset({"aten", "prims", "_c10d_functional", "npugraph_ex"})
 
@@ -135,10 +151,10 @@ class UndoneRun(NoLaunch):
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
-        kwargs = kwargs or {}
+        args, kwargs = _plain(args, kwargs or {})
         made = self._made
         for t in _tensors([*args, *kwargs.values()]):
-            if (ptr := t.untyped_storage().data_ptr()) not in made:
+            if (ptr := _ptr(t)) not in made:
                 self._before.add(ptr)
         if func.namespace in _TRUSTED:
             positions, names = write_positions(func)
@@ -147,13 +163,13 @@ class UndoneRun(NoLaunch):
         else:
             written = [*args, *kwargs.values()]
         for t in _tensors(written):
-            st = t.untyped_storage()
-            ptr = st.data_ptr()
+            ptr = _ptr(t)
             if ptr and ptr not in made and ptr not in self._saved:
+                st = t.untyped_storage()
                 self._saved[ptr] = (st, st.clone())  # type: ignore[no-untyped-call]
         result = super().__torch_dispatch__(func, types, args, kwargs)
         for t in _tensors([result]):
-            if (ptr := t.untyped_storage().data_ptr()) not in self._before:
+            if (ptr := _ptr(t)) not in self._before:
                 made.add(ptr)  # a view of an earlier tensor keeps that tensor's storage
         return result
 
