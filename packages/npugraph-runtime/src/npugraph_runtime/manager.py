@@ -381,9 +381,9 @@ class GraphedCallable:
         self._check_kinds(args)
         device = self._device_for(args)
         # A recapture (held outputs, a new address; of any fn: its key was warmed up already) is
-        # the call too: were it recorded and then replayed, fn's collectives would run twice in
-        # this call, on this rank only, and put the ranks out of step (an accelerator's capture
-        # launches nothing). force_recapture keeps the replay, which is what it shows.
+        # the call too, so that fn runs once in it. force_recapture keeps the replay, which is
+        # what it shows; its capture then launches no collective (capture.record), as an
+        # accelerator's launches nothing, so a call issues each one once on every path.
         if reason == NEW_KEY:
             as_call = self._functional and self._policy.warmup > 0 and capture_runs_fn(device)
         else:
