@@ -111,8 +111,9 @@ def undone_runs(fn: Callable[..., object], args: Args, slots: Slots, runs: int) 
     if runs > 0:
         mutated = [tensor(args, i) for i in slots.mutated]
         snapshot = [t.clone() for t in mutated]
+        kept = frozenset(storage_ptr(t) for t in mutated)
         for _ in range(runs):
-            with UndoneRun() as run:
+            with UndoneRun(kept) as run:
                 fn(*args)
             run.restore()
             for t, s in zip(mutated, snapshot, strict=True):

@@ -140,11 +140,12 @@ _TRUSTED = frozenset({"aten", "prims", "_c10d_functional", "npugraph_ex"})
 class UndoneRun(NoLaunch):
     """NoLaunch that also keeps what the run overwrites in every tensor that existed before it
     (fn's own state as well as its inputs), for ``restore()`` to put back: an undone warm-up run
-    then leaves nothing behind, as eager makes no such run."""
+    then leaves nothing behind, as eager makes no such run. ``kept``: the addresses of storages
+    the caller restores itself (not copied twice)."""
 
-    def __init__(self) -> None:
+    def __init__(self, kept: frozenset[int] = frozenset()) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
-        self._made: set[int] = set()  # storages the run allocated
+        self._made: set[int] = set(kept)  # storages the run allocated, or the caller restores
         self._before: set[int] = set()  # storages it got that existed before it
         self._saved: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
 
