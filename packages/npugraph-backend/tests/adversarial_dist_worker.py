@@ -6,8 +6,11 @@ Scenarios where the ranks make different capture decisions for the same call: ra
 every output it got (a new capture for held outputs), rank 1 drops them; rank 0 hands a graph a
 new KV cache tensor (a recapture for the mutated input's address), rank 1 keeps its one; the
 same held outputs with a graph that reads its input through as_strided (a capture made twice) and
-with a capture by hand (make_graphed_callable). Each
-call's outputs are compared with eager at once and again after the last call."""
+with a capture by hand (make_graphed_callable); force_recapture, capture_limit, clone_input=False,
+an input all_reduced in place, a graph break between two collectives, and rank 0 taking a new key
+(dynamic=True) on every call. Each call's outputs are compared with eager at once and again after
+the last call, and the collectives it issued on this rank (the process group's sequence number)
+with eager's."""
 
 from __future__ import annotations
 
