@@ -81,3 +81,38 @@ def test_a_static_only_callable_under_grad_mode_runs_eagerly() -> None:
         for _ in range(CALLS):
             torch.testing.assert_close(g(w), fn(w))
     assert g.num_captures == 1
+
+
+def _use(out: torch.Tensor) -> str:
+    """What a caller outside inference mode may do with an output: update it, save it."""
+    try:
+        out.add_(1)
+        torch.nn.Linear(8, 8)(out).sum().backward()
+    except RuntimeError as exc:
+        return f"error: {exc}"[:90]
+    return "ok"
+
+
+@pytest.mark.parametrize("policy", POLICIES[:3], ids=lambda p: ",".join(p) or "default")
+@pytest.mark.parametrize("first", ["inference_mode", "no_grad"])
+def test_inference_mode_and_no_grad_calls_mixed(policy: dict[str, Any], first: str) -> None:
+    """A capture made in inference mode holds inference tensors: a later call under no_grad
+    raised "Inplace update to inference tensor outside InferenceMode" refilling its input
+    buffer, and the outputs a replay returned were inference tensors where eager's are not
+    (and the other way round)."""
+    w = torch.randn(8, 8)
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return (x @ w).relu(), x.sum(0)
+
+    g = ngr.make_graphed_callable(fn, (torch.randn(4, 8), w), static_argnums=(1,), **policy)
+    other = "no_grad" if first == "inference_mode" else "inference_mode"
+    for i, mode in enumerate([first, other, other, first, other, first]):
+        x = torch.randn(4, 8)
+        with getattr(torch, mode)():
+            got, want = g(x, w), fn(x, w)
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b)
+            assert a.is_inference() == b.is_inference(), f"call {i} ({mode})"
+        assert _use(got[0]) == _use(want[0]), f"call {i} ({mode})"
+    assert g.num_captures >= 2  # one per mode, each replayed

@@ -4,8 +4,8 @@ A graph key is a tuple: the values of the symbolic inputs and then their Python 
 ``2.0`` and ``True`` are equal in a tuple, but a replay would repeat the captured type), then for
 each tensor with every dim keyed (hand-written capture, where nothing else guards the tensor)
 its rank, sizes, dtype and device (and, under autocast on the first such tensor's device type,
-the autocast dtype; with grad mode on and a tensor input that requires grad, ``NEEDS_GRAD``),
-and for each other keyed tensor the sizes of its keyed dims (the backend's
+the autocast dtype; with grad mode on and a tensor input that requires grad, ``NEEDS_GRAD``; in
+inference mode, ``INFERENCE``), and for each other keyed tensor the sizes of its keyed dims (the backend's
 dynamo guards dtype, device and autocast). When nothing is keyed the key is the constant
 ``()`` and no key function exists at all."""
 
@@ -21,10 +21,13 @@ from npugraph_runtime.spec import InputSpec, SlotKind
 Args = tuple[object, ...]
 Key = tuple[object, ...]
 is_autocast_enabled, get_autocast_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
-is_grad_enabled = torch.is_grad_enabled
+is_grad_enabled, is_inference_mode_enabled = torch.is_grad_enabled, torch.is_inference_mode_enabled
 # the last item of a hand-written key whose call needs autograd (see key_function): no capture
 # serves such a key, the manager runs fn eagerly for it
 NEEDS_GRAD = "needs_grad"
+# the last item of a hand-written key called in inference mode: its capture's buffers and outputs
+# are inference tensors, which a call outside inference mode may not write (nor may its caller)
+INFERENCE = "inference"
 
 _KEYED_TENSORS = (SlotKind.USER, SlotKind.MUTATED)
 _TENSOR_KINDS = (SlotKind.STATIC, SlotKind.MUTATED, SlotKind.USER)
@@ -87,8 +90,11 @@ def key_function(spec: InputSpec) -> Callable[[Args], Key] | None:
             # a replay's outputs have no autograd history: a call that needs it (grad mode on,
             # a tensor input requiring grad) gets a key of its own, which runs eagerly, as
             # x.grad would otherwise stay None (Dynamo guards grad mode for the backend)
-            if is_grad_enabled() and any(args[i].requires_grad for i in tensors):  # type: ignore[attr-defined]
-                k.append(NEEDS_GRAD)
+            if is_grad_enabled():
+                if any(args[i].requires_grad for i in tensors):  # type: ignore[attr-defined]
+                    k.append(NEEDS_GRAD)
+            elif is_inference_mode_enabled():
+                k.append(INFERENCE)
         return tuple(k)
 
     return key
