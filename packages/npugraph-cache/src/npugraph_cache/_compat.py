@@ -313,6 +313,23 @@ def is_seeded_op(target: object) -> bool:
     return False
 
 
+def global_writes(compiled: Any) -> tuple[str, ...]:
+    """The module globals dynamo's transformed bytecode assigns or deletes (a traced method's
+    ``global X; X += 1``, replayed as a ``STORE_GLOBAL`` of the traced value). Checked on torch
+    2.13.0: ``AOTCompiledFunction.fn`` runs with globals of its own (a copy made when it was
+    compiled or loaded), so such a write never reaches the user's module. Anything else (an
+    uncached function, another torch) gives ``()``."""
+    import dis
+    import types
+
+    fn = getattr(compiled, "fn", None)
+    if not isinstance(fn, types.FunctionType):
+        return ()
+    return tuple(dict.fromkeys(
+        str(ins.argval) for ins in dis.get_instructions(fn.__code__)
+        if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL")))
+
+
 # --- dispatch.py: the backend's graph called without dynamo's transformed bytecode -------------
 # What dynamo's bytecode may do besides fetching the graph's inputs and calling it: a store, a
 # delete or an import is a side effect that a direct call would skip.
