@@ -33,6 +33,7 @@ class Stateful(torch.nn.Module):
         self.proj = torch.nn.Linear(8, 8)
         self.calls = 0
         self.scale = 1.0
+        self.hist: list[torch.Tensor] = []
 
     def count(self, x: torch.Tensor) -> torch.Tensor:
         self.calls += 1
@@ -42,26 +43,34 @@ class Stateful(torch.nn.Module):
         self.scale = self.scale * 0.5
         return self.proj(x) * self.scale
 
+    def remember(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x)
+        self.hist.append(y)
+        return y * len(self.hist)
+
     def step(self, x: torch.Tensor) -> torch.Tensor:
         global STEP
         STEP += 1
         return self.proj(x) * STEP
 
 
-def _state(model: Stateful) -> tuple[int, float, int]:
-    return model.calls, model.scale, STEP
+def _state(model: Stateful) -> tuple[int, float, int, list[torch.Tensor]]:
+    return model.calls, model.scale, STEP, [h.clone() for h in model.hist]
 
 
 @pytest.mark.parametrize("start", ["cold", "warm"])
-@pytest.mark.parametrize("method", ["count", "decay", "step"])
+@pytest.mark.parametrize("method", ["count", "decay", "remember", "step"])
 def test_a_method_updating_state_it_reads(tmp_path: Path, method: str, start: str) -> None:
     """An entry replays the values its trace read: the attribute guards are not re-checked on a
     call, and the loaded function's globals are a copy. ``self.calls += 1`` returned the first
-    call's result on every call and left calls at 1; ``global STEP; STEP += 1`` never changed
-    the user's STEP."""
+    call's result on every call and left calls at 1; ``self.hist.append(y)`` left one item in
+    the list (the entry replays the traced list); ``global STEP; STEP += 1`` never changed the
+    user's STEP."""
     global STEP
     counters.clear()
+    torch._dynamo.reset()  # the methods' code objects are shared by the cases
     torch.manual_seed(0)
+    STEP = 0
     if start == "warm":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -83,5 +92,5 @@ def test_a_method_updating_state_it_reads(tmp_path: Path, method: str, start: st
             with torch.no_grad():
                 want = getattr(eager, method)(x)
             torch.testing.assert_close(got, want)
-            assert ours == _state(eager)
+            torch.testing.assert_close(ours, _state(eager))
     assert sum(v for k, v in counters["npugraph_ex"].items() if k.startswith("captured_")) >= 1

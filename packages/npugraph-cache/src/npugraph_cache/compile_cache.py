@@ -229,10 +229,10 @@ class CacheCompiledFunction:
                     and entry.guards_pass(call_args, kwargs)):
                 return self._call_planning(entry, args, call_args, kwargs)
         compiled, guards, loaded = self._obtain(args, kwargs)
-        written = _compat.global_writes(compiled)
+        written = _compat.state_writes(compiled)
         check = guards.checker(self._function.__globals__, self._module)
         if written:
-            compiled = self._state_writer(f"assigns the global {written[0]!r}")
+            compiled = self._state_writer(written[0])
             check = _guarded_by_torch
         entry = _Entry(signature, compiled, check, _compat.guard_checker(compiled))
         self._entries.append(entry)
@@ -251,9 +251,10 @@ class CacheCompiledFunction:
         return out
 
     def _state_writer(self, what: str) -> _Uncached:
-        """A method that updates Python state it reads (``self.calls += 1``): a cached entry
-        would replay the value of its trace on every call (the entry's guards on module
-        attributes are not re-checked, and its globals are a copy), so this process compiles
+        """A method that updates Python state it reads (``self.calls += 1``, a list it appends
+        to): a cached entry would replay the value of its trace on every call (the entry's
+        guards on module attributes are not re-checked, and its globals are a copy), so this
+        process compiles
         it with torch.compile, whose guards follow the value, as eager does: with automatic
         dynamic shapes (a changing int becomes symbolic) and without fullgraph (past dynamo's
         recompile limit, say for a float, it runs eagerly rather than raise)."""
