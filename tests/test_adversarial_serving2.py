@@ -94,3 +94,52 @@ def test_a_method_updating_state_it_reads(tmp_path: Path, method: str, start: st
             torch.testing.assert_close(got, want)
             torch.testing.assert_close(ours, _state(eager))
     assert sum(v for k, v in counters["npugraph_ex"].items() if k.startswith("captured_")) >= 1
+
+
+class LazyCacheDecoder(torch.nn.Module):
+    """A transformers Llama whose StaticCache allocates on its first update (transformers 4.56+),
+    served by its decode step alone: that first served call initialises the cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        from npugraph_ex.models import static_cache
+
+        config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2)
+        self.lm = transformers.LlamaForCausalLM(config).eval()
+        self.cache = static_cache(config, 1, 16, torch.device("cpu"), torch.float32)
+
+    def decode(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        out = self.lm(token, past_key_values=self.cache, use_cache=True, cache_position=position)
+        return out.logits
+
+
+@pytest.mark.parametrize("start", ["cold", "warm"])
+def test_a_decode_step_whose_first_call_initialises_the_static_cache(
+        tmp_path: Path, start: str) -> None:
+    """The entry was traced with ``is_initialized`` False, so every call replayed the cache's
+    lazy initialisation: the cache was zeroed at each step and the logits went wrong from the
+    second step on."""
+    counters.clear()
+    torch._dynamo.reset()
+    if start == "warm":
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.no_grad():
+                cache_compile(LazyCacheDecoder().decode, dynamic=False, cache_dir=tmp_path)(
+                    torch.zeros(1, 1, dtype=torch.long), torch.tensor([0]))
+    torch.manual_seed(0)
+    model = LazyCacheDecoder()
+    eager = copy.deepcopy(model)
+    fn = cache_compile(model.decode, dynamic=False, cache_dir=tmp_path)
+    token = torch.randint(0, 128, (1, 1))
+    with pytest.warns(UserWarning, match="is_initialized"), torch.no_grad():
+        for step in range(CALLS):
+            position = torch.tensor([step])
+            got, want = fn(token, position), eager.decode(token, position)
+            torch.testing.assert_close(got, want)
+            token = want[:, -1].argmax(-1, keepdim=True)
+    assert sum(v for k, v in counters["npugraph_ex"].items() if k.startswith("captured_")) >= 1
