@@ -252,12 +252,11 @@ class CacheCompiledFunction:
 
     def _state_writer(self, what: str) -> _Uncached:
         """A method that updates Python state it reads (``self.calls += 1``, a list it appends
-        to): a cached entry would replay the value of its trace on every call (the entry's
-        guards on module attributes are not re-checked, and its globals are a copy), so this
-        process compiles
-        it with torch.compile, whose guards follow the value, as eager does: with automatic
-        dynamic shapes (a changing int becomes symbolic) and without fullgraph (past dynamo's
-        recompile limit, say for a float, it runs eagerly rather than raise)."""
+        to, a lazily allocated cache): a cached entry would replay the value of its trace on
+        every call (the entry's guards on module attributes are not re-checked, and its globals
+        are a copy), so this process compiles it with torch.compile, whose guards follow the
+        value, as eager does: with automatic dynamic shapes and without fullgraph (past dynamo's
+        recompile limit, say for a counter, it runs eagerly rather than raise)."""
         warnings.warn(
             f"npugraph_ex cache: {self.name} {what}: a cached entry would repeat the value it was "
             "traced with on every call; this process compiles it with torch.compile instead, "

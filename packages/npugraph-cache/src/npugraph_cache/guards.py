@@ -156,7 +156,6 @@ class ValueGuards:
                 return f"{source} is {_show(got)}, was {_show(want)} when compiled"
         return None
 
-
     def changed(self, f_globals: dict[str, Any], module: Any) -> str | None:
         """``mismatch`` in one evaluation of every source when nothing differs (the common
         case, checked once after an entry's first call)."""

@@ -5,9 +5,9 @@ A graph key is a tuple: the values of the symbolic inputs and then their Python 
 each tensor with every dim keyed (hand-written capture, where nothing else guards the tensor)
 its rank, sizes, dtype and device (and, under autocast on the first such tensor's device type,
 the autocast dtype; with grad mode on and a tensor input that requires grad, ``NEEDS_GRAD``; in
-inference mode, ``INFERENCE``), and for each other keyed tensor the sizes of its keyed dims (the backend's
-dynamo guards dtype, device and autocast). When nothing is keyed the key is the constant
-``()`` and no key function exists at all."""
+inference mode, ``INFERENCE``), and for each other keyed tensor the sizes of its keyed dims
+(the backend's dynamo guards dtype, device, autocast, grad and inference mode). When nothing is
+keyed the key is the constant ``()`` and no key function exists at all."""
 
 from __future__ import annotations
 
