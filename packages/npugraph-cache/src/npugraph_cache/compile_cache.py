@@ -104,6 +104,11 @@ class _Uncached:
         return self.compiled(*args, **kwargs)
 
 
+def _guarded_by_torch() -> bool:
+    """The value check of an entry torch.compile runs: dynamo guards those values itself."""
+    return True
+
+
 def _detached(qualname: str) -> Callable[..., Any]:
     def detached(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
@@ -224,14 +229,45 @@ class CacheCompiledFunction:
                     and entry.guards_pass(call_args, kwargs)):
                 return self._call_planning(entry, args, call_args, kwargs)
         compiled, guards, loaded = self._obtain(args, kwargs)
+        written = _compat.state_writes(compiled)
         check = guards.checker(self._function.__globals__, self._module)
-        self._entries.append(_Entry(signature, compiled, check, _compat.guard_checker(compiled)))
+        if written:
+            compiled = self._state_writer(written[0])
+            check = _guarded_by_torch
+        entry = _Entry(signature, compiled, check, _compat.guard_checker(compiled))
+        self._entries.append(entry)
         if loaded:
             with _compat.without_first_call_alias_check():
-                return compiled(*call_args, **kwargs)
-        out = compiled(*call_args, **kwargs)
-        self._finish_entry()
+                out = compiled(*call_args, **kwargs)
+        else:
+            out = compiled(*call_args, **kwargs)
+            self._finish_entry()
+        changed = None if written else guards.changed(self._function.__globals__, self._module)
+        if changed is not None:  # the call changed what the entry was traced with
+            entry.compiled = self._state_writer(f"changed a value its graph was traced with "
+                                                f"({changed})")
+            entry.values_match = _guarded_by_torch
+            entry.guards_pass = _compat.guard_checker(entry.compiled)
         return out
+
+    def _state_writer(self, what: str) -> _Uncached:
+        """A method that updates Python state it reads (``self.calls += 1``, a list it appends
+        to, a lazily allocated cache): a cached entry would replay the value of its trace on
+        every call (the entry's guards on module attributes are not re-checked, and its globals
+        are a copy), so this process compiles it with torch.compile, whose guards follow the
+        value, as eager does: with automatic dynamic shapes and without fullgraph (past dynamo's
+        recompile limit, say for a counter, it runs eagerly rather than raise)."""
+        warnings.warn(
+            f"npugraph_ex cache: {self.name} {what}: a cached entry would repeat the value it was "
+            "traced with on every call; this process compiles it with torch.compile instead, "
+            "without the disk cache. Keep such state in a tensor buffer, or pass it as an "
+            "argument",
+            CacheWarning,
+            stacklevel=4,
+        )
+        bump("state_writers")
+        backend = self.compile_fn(self.options, self.custom_decompositions)
+        return _Uncached(torch.compile(self._function, backend=backend, dynamic=self.dynamic or None))
 
     def _call_planning(
         self, entry: _Entry, args: tuple[Any, ...], call_args: tuple[Any, ...],

@@ -156,6 +156,18 @@ class ValueGuards:
                 return f"{source} is {_show(got)}, was {_show(want)} when compiled"
         return None
 
+    def changed(self, f_globals: dict[str, Any], module: Any) -> str | None:
+        """``mismatch`` in one evaluation of every source when nothing differs (the common
+        case, checked once after an entry's first call)."""
+        if not self.sources:
+            return None
+        try:
+            if _evaluator(self.self_name, self.sources)(f_globals, module) == self.expected:
+                return None
+        except Exception:  # mismatch names the value that cannot be read
+            pass
+        return self.mismatch(f_globals, module)
+
 
 def _always() -> bool:
     return True

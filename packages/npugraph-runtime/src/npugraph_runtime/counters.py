@@ -65,6 +65,8 @@ class CounterNames:
         # calls run eagerly because every capture of their key had outputs held and the
         # capture_limit left no room for another
         self.held_eager = f"eager_call_due_to_held_outputs_{name}"
+        # calls run eagerly because they need autograd (grad mode on, an input requiring grad)
+        self.grad_eager = f"eager_call_due_to_{REQUIRES_GRAD}_{name}"
 
     def count_capture(self, reason: str, captured_now: int) -> None:
         counters = _compat.npugraph_ex_counters()
@@ -78,6 +80,9 @@ class CounterNames:
 
     def count_held_eager(self) -> None:
         _compat.npugraph_ex_counters()[self.held_eager] += 1
+
+    def count_grad_eager(self) -> None:
+        _compat.npugraph_ex_counters()[self.grad_eager] += 1
 
     def count_fallback(self, reason: str) -> None:
         counters = _compat.npugraph_ex_counters()

@@ -4,9 +4,10 @@ A graph key is a tuple: the values of the symbolic inputs and then their Python 
 ``2.0`` and ``True`` are equal in a tuple, but a replay would repeat the captured type), then for
 each tensor with every dim keyed (hand-written capture, where nothing else guards the tensor)
 its rank, sizes, dtype and device (and, under autocast on the first such tensor's device type,
-the autocast dtype), and for each other keyed tensor the sizes of its keyed dims (the backend's
-dynamo guards dtype, device and autocast). When nothing is keyed the key is the constant
-``()`` and no key function exists at all."""
+the autocast dtype; with grad mode on and a tensor input that requires grad, ``NEEDS_GRAD``; in
+inference mode, ``INFERENCE``), and for each other keyed tensor the sizes of its keyed dims
+(the backend's dynamo guards dtype, device, autocast, grad and inference mode). When nothing is
+keyed the key is the constant ``()`` and no key function exists at all."""
 
 from __future__ import annotations
 
@@ -20,8 +21,16 @@ from npugraph_runtime.spec import InputSpec, SlotKind
 Args = tuple[object, ...]
 Key = tuple[object, ...]
 is_autocast_enabled, get_autocast_dtype = torch.is_autocast_enabled, torch.get_autocast_dtype
+is_grad_enabled, is_inference_mode_enabled = torch.is_grad_enabled, torch.is_inference_mode_enabled
+# the last item of a hand-written key whose call needs autograd (see key_function): no capture
+# serves such a key, the manager runs fn eagerly for it
+NEEDS_GRAD = "needs_grad"
+# the last item of a hand-written key called in inference mode: its capture's buffers and outputs
+# are inference tensors, which a call outside inference mode may not write (nor may its caller)
+INFERENCE = "inference"
 
 _KEYED_TENSORS = (SlotKind.USER, SlotKind.MUTATED)
+_TENSOR_KINDS = (SlotKind.STATIC, SlotKind.MUTATED, SlotKind.USER)
 
 
 def picker(indices: Sequence[int]) -> Callable[[Args], tuple[object, ...]] | None:
@@ -39,6 +48,7 @@ def key_function(spec: InputSpec) -> Callable[[Args], Key] | None:
     symbolic = tuple(i for i, k in enumerate(spec.kinds) if k is SlotKind.SYMBOLIC)
     whole: list[int] = []
     dims: list[tuple[int, int]] = []
+    tensors = [i for i, k in enumerate(spec.kinds) if k in _TENSOR_KINDS]
     for i, kind in enumerate(spec.kinds):
         if kind in _KEYED_TENSORS:
             keyed = spec.dims_keyed(i)
@@ -77,6 +87,14 @@ def key_function(spec: InputSpec) -> Callable[[Args], Key] | None:
             device = args[whole[0]].device.type  # type: ignore[attr-defined]
             if is_autocast_enabled(device):
                 k.append(get_autocast_dtype(device))
+            # a replay's outputs have no autograd history: a call that needs it (grad mode on,
+            # a tensor input requiring grad) gets a key of its own, which runs eagerly, as
+            # x.grad would otherwise stay None (Dynamo guards grad mode for the backend)
+            if is_grad_enabled():
+                if any(args[i].requires_grad for i in tensors):  # type: ignore[attr-defined]
+                    k.append(NEEDS_GRAD)
+            elif is_inference_mode_enabled():
+                k.append(INFERENCE)
         return tuple(k)
 
     return key

@@ -38,7 +38,7 @@ from npugraph_runtime.devices.base import DeviceGraph, PoolHandle
 from npugraph_runtime.errors import CaptureError, PolicyError
 from npugraph_runtime.graphs import as_pool_handle, graph_pool_handle
 from npugraph_runtime.inputs import mirror_filler, refiller, storage_ptr
-from npugraph_runtime.keys import Args, Key, key_function, picker
+from npugraph_runtime.keys import NEEDS_GRAD, Args, Key, key_function, picker
 from npugraph_runtime.outputs import OutputPlan, note_result, output_plan
 from npugraph_runtime.selection import choose
 from npugraph_runtime.spec import CapturePolicy, InputSpec, OutputSpec, SlotKind
@@ -129,6 +129,7 @@ class GraphedCallable:
         self._counters = CounterNames(self.name)
         self._warned = False
         self._warned_held = False
+        self._warned_grad = False
         self._pool: PoolHandle | None = None
         self._n = len(spec.kinds)
         self._slots = Slots(spec, policy)
@@ -358,6 +359,15 @@ class GraphedCallable:
     def _miss(self, key: Key, args: Args) -> object:
         if self.fell_back:
             return self._fn(*args)
+        if key and key[-1] is NEEDS_GRAD:
+            # this key's calls need autograd: they run eagerly from now on, never captured
+            def eager(a: Args) -> object:
+                self._counters.count_grad_eager()
+                return self._fn(*a)
+
+            self._runs[key] = eager
+            self._warn_grad(args)
+            return eager(args)
         if self._policy.force_eager:
             self._fall_back(FORCE_EAGER)
             return self._fn(*args)
@@ -379,6 +389,10 @@ class GraphedCallable:
         triage recipe relies on it). A ``functional`` fn's last warmup run is the capture itself
         where the capture computes (see the class docstring)."""
         self._check_kinds(args)
+        if _needs_grad(args):  # a key that does not tell (hand-written keys do: _miss)
+            self._warn_grad(args)
+            self._counters.count_grad_eager()
+            return self._fn(*args)
         device = self._device_for(args)
         # A recapture (held outputs, a new address; of any fn: its key was warmed up already) is
         # the call too, so that fn runs once in it. force_recapture keeps the replay, which is
@@ -426,6 +440,20 @@ class GraphedCallable:
         if result is _MISS:
             raise CaptureError(f"internal: {self.name}'s fresh capture of key {key} refused its call")
         return result
+
+    def _warn_grad(self, args: Args) -> None:
+        logger.info("%s: a call that needs autograd runs eagerly", self.name)
+        if self._warned_grad:
+            return
+        self._warned_grad = True
+        i = next((i for i, a in enumerate(args)
+                  if isinstance(a, torch.Tensor) and a.requires_grad), None)
+        warn_at_caller(
+            f"{self.name} was called with grad mode on and input {i} requiring grad: a replay's "
+            "outputs have no autograd history (a backward would leave that input's .grad "
+            "None), so this call (and each such call) runs fn eagerly. Call it under "
+            "torch.no_grad() or torch.inference_mode() to replay"
+        )
 
     def _adoptable(self, reason: str) -> frozenset[int] | None:
         """clone_input=False: what a capture may adopt as its user buffers. A new key's first
@@ -561,6 +589,11 @@ class _Variants:
 
     def __init__(self) -> None:
         self.by_run: _ByRun = {}
+
+
+def _needs_grad(args: Args) -> bool:
+    return torch.is_grad_enabled() and any(
+        isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
 
 def _tensor_picker(indices: Sequence[int]) -> Callable[[Args], tuple[torch.Tensor, ...]] | None:

@@ -1,0 +1,145 @@
+"""The serving path (npugraph_ex.inference.cache_compile) on methods that update the Python state
+they read: every call's output and the state afterwards equal eager's, cold and warm, and a
+capture is counted."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from npugraph_cache.secret import KEY_ENV
+from torch._dynamo.utils import counters
+
+from npugraph_ex.inference import cache_compile
+
+CALLS = 6
+STEP = 0  # a module global a served method increments
+
+
+@pytest.fixture(autouse=True)
+def own_cache_key(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(KEY_ENV, str(tmp_path_factory.mktemp("key") / "cache.key"))
+        yield
+
+
+class Stateful(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.calls = 0
+        self.scale = 1.0
+        self.hist: list[torch.Tensor] = []
+
+    def count(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.proj(x) * self.calls
+
+    def decay(self, x: torch.Tensor) -> torch.Tensor:
+        self.scale = self.scale * 0.5
+        return self.proj(x) * self.scale
+
+    def remember(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.proj(x)
+        self.hist.append(y)
+        return y * len(self.hist)
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        global STEP
+        STEP += 1
+        return self.proj(x) * STEP
+
+
+def _state(model: Stateful) -> tuple[int, float, int, list[torch.Tensor]]:
+    return model.calls, model.scale, STEP, [h.clone() for h in model.hist]
+
+
+@pytest.mark.parametrize("start", ["cold", "warm"])
+@pytest.mark.parametrize("method", ["count", "decay", "remember", "step"])
+def test_a_method_updating_state_it_reads(tmp_path: Path, method: str, start: str) -> None:
+    """An entry replays the values its trace read: the attribute guards are not re-checked on a
+    call, and the loaded function's globals are a copy. ``self.calls += 1`` returned the first
+    call's result on every call and left calls at 1; ``self.hist.append(y)`` left one item in
+    the list (the entry replays the traced list); ``global STEP; STEP += 1`` never changed the
+    user's STEP."""
+    global STEP
+    counters.clear()
+    torch._dynamo.reset()  # the methods' code objects are shared by the cases
+    torch.manual_seed(0)
+    STEP = 0
+    if start == "warm":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.no_grad():
+                cache_compile(getattr(Stateful(), method), dynamic=False, cache_dir=tmp_path)(
+                    torch.randn(2, 8))
+    STEP = 0
+    model = Stateful().eval()
+    eager = copy.deepcopy(model)
+    fn = cache_compile(getattr(model, method), dynamic=False, cache_dir=tmp_path)
+    with pytest.warns(UserWarning, match="would repeat the value it was traced with"):
+        for _ in range(CALLS):
+            x = torch.randn(2, 8)
+            before = STEP
+            with torch.no_grad():
+                got = fn(x)
+            ours = _state(model)
+            STEP = before  # eager's turn from the same global
+            with torch.no_grad():
+                want = getattr(eager, method)(x)
+            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(ours, _state(eager))
+    assert sum(v for k, v in counters["npugraph_ex"].items() if k.startswith("captured_")) >= 1
+
+
+class LazyCacheDecoder(torch.nn.Module):
+    """A transformers Llama whose StaticCache allocates on its first update (transformers 4.56+),
+    served by its decode step alone: that first served call initialises the cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        from npugraph_ex.models import static_cache
+
+        config = transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                          num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2)
+        self.lm = transformers.LlamaForCausalLM(config).eval()
+        self.cache = static_cache(config, 1, 16, torch.device("cpu"), torch.float32)
+
+    def decode(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        out = self.lm(token, past_key_values=self.cache, use_cache=True, cache_position=position)
+        return out.logits
+
+
+@pytest.mark.parametrize("start", ["cold", "warm"])
+def test_a_decode_step_whose_first_call_initialises_the_static_cache(
+        tmp_path: Path, start: str) -> None:
+    """The entry was traced with ``is_initialized`` False, so every call replayed the cache's
+    lazy initialisation: the cache was zeroed at each step and the logits went wrong from the
+    second step on."""
+    counters.clear()
+    torch._dynamo.reset()
+    if start == "warm":
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.no_grad():
+                cache_compile(LazyCacheDecoder().decode, dynamic=False, cache_dir=tmp_path)(
+                    torch.zeros(1, 1, dtype=torch.long), torch.tensor([0]))
+    torch.manual_seed(0)
+    model = LazyCacheDecoder()
+    eager = copy.deepcopy(model)
+    fn = cache_compile(model.decode, dynamic=False, cache_dir=tmp_path)
+    token = torch.randint(0, 128, (1, 1))
+    with pytest.warns(UserWarning, match="is_initialized"), torch.no_grad():
+        for step in range(CALLS):
+            position = torch.tensor([step])
+            got, want = fn(token, position), eager.decode(token, position)
+            torch.testing.assert_close(got, want)
+            token = want[:, -1].argmax(-1, keepdim=True)
+    assert sum(v for k, v in counters["npugraph_ex"].items() if k.startswith("captured_")) >= 1
