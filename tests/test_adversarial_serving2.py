@@ -143,3 +143,52 @@ def test_a_decode_step_whose_first_call_initialises_the_static_cache(
             torch.testing.assert_close(got, want)
             token = want[:, -1].argmax(-1, keepdim=True)
     assert sum(v for k, v in counters["npugraph_ex"].items() if k.startswith("captured_")) >= 1
+
+
+class Normed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.BatchNorm1d(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.proj(x))
+
+
+@pytest.mark.parametrize("start", ["cold", "warm"])
+def test_train_and_eval_after_the_first_call(tmp_path: Path, start: str) -> None:
+    """``model.train()`` after the first served call: the eval entry kept replaying, so BatchNorm
+    used its running statistics instead of the batch's and never updated them (wrong outputs in
+    train mode, and wrong running statistics after ``eval()`` again). The mode is checked on
+    every call; train mode gets an entry of its own."""
+    counters.clear()
+    torch._dynamo.reset()
+    if start == "warm":
+        warm = Normed().eval()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with torch.no_grad():
+                fn = cache_compile(warm.forward, dynamic=False, cache_dir=tmp_path)
+                fn(torch.randn(6, 8))
+                warm.train()
+                fn(torch.randn(6, 8))
+    torch.manual_seed(0)
+    model = Normed().eval()
+    eager = copy.deepcopy(model)
+    fn = cache_compile(model.forward, dynamic=False, cache_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(12):
+            if step in (4, 8):
+                for m in (model, eager):
+                    m.train(step == 4)
+            x = torch.randn(6, 8)
+            with torch.no_grad():
+                got, want = fn(x), eager(x)
+            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(model.norm.running_mean, eager.norm.running_mean)
+            torch.testing.assert_close(model.norm.running_var, eager.norm.running_var)
+    assert len(fn._entries) == 2  # one per mode
+    assert sum(v for k, v in counters["npugraph_ex"].items() if k.startswith("captured_")) >= 2
+    if start == "warm":
+        assert counters["npugraph_ex_cache"]["loaded"] == 2

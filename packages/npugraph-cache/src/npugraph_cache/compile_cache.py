@@ -125,13 +125,16 @@ class _Entry:
     bytecode) with the registration count it was made at."""
 
     __slots__ = ("compiled", "direct", "guards_pass", "plain_guards", "registrations", "signature",
-                 "values_match")
+                 "training", "values_match")
 
     def __init__(
         self, signature: tuple[Any, ...], compiled: Any, values_match: Callable[[], bool],
-        guards_pass: Callable[[tuple[Any, ...], dict[str, Any]], bool],
+        guards_pass: Callable[[tuple[Any, ...], dict[str, Any]], bool], training: bool,
     ) -> None:
         self.signature = signature
+        # the module's mode when the entry was made: module attributes are not re-checked on
+        # every call, but train()/eval() is (one attribute read; BatchNorm and dropout read it)
+        self.training = training
         self.compiled = compiled
         self.values_match = values_match
         self.guards_pass = guards_pass
@@ -205,8 +208,10 @@ class CacheCompiledFunction:
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         signature = value_signature(args, kwargs, self.dynamic)
+        training = self._module.training
         for entry in self._entries:
-            if entry.signature != signature or not entry.values_match():
+            if (entry.signature != signature or entry.training is not training
+                    or not entry.values_match()):
                 continue
             direct = entry.direct
             if direct is not None and entry.registrations == registrations() and not kwargs:
@@ -224,9 +229,10 @@ class CacheCompiledFunction:
     def _miss(self, signature: tuple[Any, ...], args: tuple[Any, ...],
               kwargs: dict[str, Any]) -> Any:
         call_args = (self._module, *args)
+        training = self._module.training
         for entry in self._entries:  # one another thread added while this one waited
-            if (entry.signature == signature and entry.values_match()
-                    and entry.guards_pass(call_args, kwargs)):
+            if (entry.signature == signature and entry.training is training
+                    and entry.values_match() and entry.guards_pass(call_args, kwargs)):
                 return self._call_planning(entry, args, call_args, kwargs)
         compiled, guards, loaded = self._obtain(args, kwargs)
         written = _compat.state_writes(compiled)
@@ -234,7 +240,7 @@ class CacheCompiledFunction:
         if written:
             compiled = self._state_writer(written[0])
             check = _guarded_by_torch
-        entry = _Entry(signature, compiled, check, _compat.guard_checker(compiled))
+        entry = _Entry(signature, compiled, check, _compat.guard_checker(compiled), training)
         self._entries.append(entry)
         if loaded:
             with _compat.without_first_call_alias_check():
