@@ -5,6 +5,7 @@ the replay closure."""
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Callable, Sequence
 from typing import cast
@@ -60,7 +61,7 @@ class Capture:
     """One captured graph and what its replay closure needs kept alive."""
 
     __slots__ = ("addresses", "args", "buffers", "callers", "core_limit", "graph", "holds", "key",
-                 "mirrored", "outputs", "plan", "replay", "watched_ptrs")
+                 "mirrored", "outputs", "own_refs", "plan", "replay", "watched_ptrs")
 
     def __init__(
         self, key: Key, graph: DeviceGraph, args: list[object], buffers: list[torch.Tensor],
@@ -78,6 +79,9 @@ class Capture:
         self.watched_ptrs: list[int] = []
         # the caller's mutated tensors, weakly: the capture itself holds aliases of them
         self.callers: list[weakref.ref[torch.Tensor]] = []
+        # (static input index, how many references to it the capture itself holds): see
+        # orphaned_captures
+        self.own_refs: list[tuple[int, int]] = []
         self.core_limit = capture_core_limit()
         self.outputs: object = None
         self.holds: Holds | None = None
@@ -92,6 +96,22 @@ class Capture:
     def fits(self, args: Args, watched: Sequence[int]) -> bool:
         """The addresses the replay closure checks are the ones this call passes."""
         return [_data_ptr(tensor(args, i)) for i in watched] == self.watched_ptrs
+
+
+def orphaned_captures(caps: Sequence[Capture]) -> list[Capture]:
+    """The captures of ``caps`` with a static input (a parameter) that nothing but these
+    captures references: a model that was dropped. No call can pass that tensor again, so such a
+    capture never replays; releasing it frees the weights it holds and its pool, which a server
+    swapping models would otherwise accumulate (dynamo's code cache keeps the captures of a
+    class's ``forward`` for the process) until capture_limit made every later model run eagerly.
+    A reference held elsewhere (a live module, another callable's capture) keeps a capture."""
+    ours: dict[int, int] = {}
+    for c in caps:
+        for i, n in c.own_refs:
+            ours[id(c.args[i])] = ours.get(id(c.args[i]), 0) + n
+    # getrefcount's own argument is the one reference beyond those counted
+    return [c for c in caps if any(
+        sys.getrefcount(c.args[i]) - 1 <= ours[id(c.args[i])] for i, _ in c.own_refs)]
 
 
 def _unset(args: Args) -> object:

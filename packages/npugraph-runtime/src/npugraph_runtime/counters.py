@@ -67,6 +67,8 @@ class CounterNames:
         self.held_eager = f"eager_call_due_to_held_outputs_{name}"
         # calls run eagerly because they need autograd (grad mode on, an input requiring grad)
         self.grad_eager = f"eager_call_due_to_{REQUIRES_GRAD}_{name}"
+        # captures released because nothing but them held one of their parameters
+        self.released = f"released_orphaned_{name}"
 
     def count_capture(self, reason: str, captured_now: int) -> None:
         counters = _compat.npugraph_ex_counters()
@@ -76,6 +78,11 @@ class CounterNames:
             counters[self.held] += 1
         else:
             counters[self.recapture[reason]] += 1
+        counters[self.captured] = captured_now
+
+    def count_released(self, released: int, captured_now: int) -> None:
+        counters = _compat.npugraph_ex_counters()
+        counters[self.released] += released
         counters[self.captured] = captured_now
 
     def count_held_eager(self) -> None:

@@ -21,7 +21,15 @@ import torch
 
 from npugraph_runtime import _compat
 from npugraph_runtime.callsite import warn_at_caller
-from npugraph_runtime.capture import Capture, Slots, capture_runs_fn, record, undone_runs, warm_up
+from npugraph_runtime.capture import (
+    Capture,
+    Slots,
+    capture_runs_fn,
+    orphaned_captures,
+    record,
+    undone_runs,
+    warm_up,
+)
 from npugraph_runtime.core_limit import capture_core_limit
 from npugraph_runtime.counters import (
     CAPTURE_LIMIT,
@@ -29,6 +37,7 @@ from npugraph_runtime.counters import (
     FORCE_RECAPTURE,
     HELD_OUTPUTS,
     NEW_KEY,
+    STATIC_INPUT_CHANGE,
     CaptureEvent,
     CounterNames,
     default_name,
@@ -138,6 +147,7 @@ class GraphedCallable:
         self._ptrs_equal = _checked_ptrs_equal()
         self._captures: dict[Key, list[Capture]] = {}
         self._total = 0
+        self._released = 0  # captures released as orphaned (_release_orphans)
         self._mirrored: frozenset[int] = frozenset()  # user inputs read through as_strided
         # key -> replay closure of the capture last used for it: the only thing the hot path
         # looks up.
@@ -330,6 +340,8 @@ class GraphedCallable:
         choice = choose(self.name, self._slots, caps, args, capture_core_limit(),
                         self._total < self._policy.capture_limit)
         if choice.replacing is None:
+            if choice.reason == STATIC_INPUT_CHANGE:  # another model: is an earlier one gone?
+                self._release_orphans()
             return self._another(key, args, choice.reason)
         return self._capture(key, args, choice.reason, replacing=choice.replacing)
 
@@ -371,10 +383,44 @@ class GraphedCallable:
         if self._policy.force_eager:
             self._fall_back(FORCE_EAGER)
             return self._fn(*args)
+        self._release_orphans()
         if self._total >= self._policy.capture_limit:
             self._fall_back(CAPTURE_LIMIT)
             return self._fn(*args)
         return self._capture(key, args, NEW_KEY)
+
+    def _release_orphans(self) -> None:
+        """Release the captures of a dropped model (``orphaned_captures``), on the cold path of a
+        capture for new static addresses or a new key. force_recapture keeps its captures: its
+        replay closure recaptures in place of one. At most capture_limit are released in all:
+        a caller passing a fresh tensor as a static input on every call (a temporary) would
+        otherwise recapture forever instead of falling back to eager at capture_limit."""
+        if (self._policy.force_recapture or not self._captures
+                or self._released >= self._policy.capture_limit):
+            return
+        gone = orphaned_captures([c for caps in self._captures.values() for c in caps])
+        if not gone:
+            return
+        runs = {c.replay for c in gone}
+        for key in list(self._captures):
+            kept = [c for c in self._captures[key] if c not in gone]
+            if not kept:
+                del self._captures[key]
+                self._runs.pop(key, None)
+                continue
+            self._captures[key] = kept
+            if self._runs.get(key) in runs:
+                self._runs[key] = kept[-1].replay
+        for variants in self._bound:
+            for run in [r for r in variants.by_run if r in runs]:
+                del variants.by_run[run]
+        self._total -= len(gone)
+        self._released += len(gone)
+        for cap in gone:
+            cap.graph.reset()
+        self._counters.count_released(len(gone), self._total)
+        logger.info("%s: released %d capture(s) whose parameters nothing else holds",
+                    self.name, len(gone))
 
     def _capture(
         self, key: Key, args: Args, reason: str, replacing: Capture | None = None
@@ -408,6 +454,8 @@ class GraphedCallable:
             result = _NO_RESULT
         else:
             result = self._warm_up(args) if reason == NEW_KEY else _NO_RESULT
+        statics = _distinct_tensors(args, self._slots.static)
+        before = [sys.getrefcount(args[i]) for i in statics]
         cap = record(self._fn, self.name, self._spec, self._policy, self._slots, key, args,
                      device, self._pool_for(device), self._replay_closure, as_call,
                      self._mirrored, self._adoptable(reason))
@@ -422,6 +470,10 @@ class GraphedCallable:
             self._runs[key] = lambda a: self._capture(key, a, FORCE_RECAPTURE, replacing=cap)
         else:
             self._runs[key] = cap.replay
+        # counted before anything is handed out (an output viewing a parameter is the caller's
+        # reference) and before the replaced capture lets go of its own
+        cap.own_refs = [(i, sys.getrefcount(args[i]) - b)
+                        for i, b in zip(statics, before, strict=True)]
         if replacing is not None:
             replacing.graph.reset()
         self.events.append(CaptureEvent(key, reason))
@@ -513,6 +565,7 @@ class GraphedCallable:
         """Release every graph; the next call of each key captures again."""
         with self._lock:
             self._release()
+            self._released = 0
             self._pool = None
             self.fell_back = False
             self.fallback_reason = None
@@ -594,6 +647,18 @@ class _Variants:
 def _needs_grad(args: Args) -> bool:
     return torch.is_grad_enabled() and any(
         isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
+def _distinct_tensors(args: Args, indices: Sequence[int]) -> list[int]:
+    """The indices of the tensors among ``args[indices]``, each tensor object once."""
+    seen: set[int] = set()
+    out = []
+    for i in indices:
+        a = args[i]
+        if isinstance(a, torch.Tensor) and id(a) not in seen:
+            seen.add(id(a))
+            out.append(i)
+    return out
 
 
 def _tensor_picker(indices: Sequence[int]) -> Callable[[Args], tuple[torch.Tensor, ...]] | None:
