@@ -283,3 +283,39 @@ def test_persistent_input_buffers_passed_as_bucket_views_match_eager() -> None:
             for a, b in zip(model.caches(), twin.caches(), strict=True):
                 _close(a, b)
     assert 0 < _captures() < len(BUCKETS)
+
+
+def test_transformers_llama_decode_interleaves_two_bucket_caches() -> None:
+    """One compiled decode step over two batch buckets, each with its own StaticCache, the
+    buckets' steps interleaved and every step's logits kept."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).eval()
+    twin = copy.deepcopy(model)
+    decode = _compile(model.forward, False, {})
+    state: dict[int, list[Any]] = {}
+    with torch.no_grad():
+        for batch in (1, 4):
+            caches = [transformers.StaticCache(config=config, max_batch_size=batch, max_cache_len=32)
+                      for _ in range(2)]
+            ids = torch.randint(0, 64, (batch, 4))
+            firsts = [m(input_ids=ids, past_key_values=c, cache_position=torch.arange(4)).logits
+                      for m, c in zip((model, twin), caches, strict=True)]
+            state[batch] = [*caches, *(f[:, -1:].argmax(-1) for f in firsts), 4]
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for batch in (1, 4, 4, 1, 1, 4, 1, 4):
+            cache, twin_cache, tok, twin_tok, pos = state[batch]
+            at = torch.tensor([pos])
+            got = decode(input_ids=tok, past_key_values=cache, cache_position=at).logits
+            want = twin(input_ids=twin_tok, past_key_values=twin_cache, cache_position=at).logits
+            _close(got, want)
+            for a, b in zip(cache.layers, twin_cache.layers, strict=True):
+                _close(a.keys, b.keys)
+                _close(a.values, b.values)
+            kept.append((got, want))
+            for old, old_want in kept:
+                _close(old, old_want)
+            state[batch] = [cache, twin_cache, got[:, -1:].argmax(-1), want[:, -1:].argmax(-1), pos + 1]
+    assert _captures() > 0
