@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -56,8 +57,14 @@ def foreach_copy() -> Callable[[list[torch.Tensor], Sequence[torch.Tensor]], obj
 
 def data_ptrs_at_indices_equal() -> Callable[[list[object], list[int | None], list[int]], bool] | None:
     """Checked on torch 2.13.0: ``torch._C._tensors_data_ptrs_at_indices_equal`` exists in CUDA
-    builds only (declared in the stubs, absent from the CPU wheel). None where missing."""
+    builds only (declared in the stubs, absent from the CPU wheel). torch_npu, which runs on a
+    CPU build of torch, defines one of the same signature in ``torch_npu._C`` (from its sources;
+    not run here: no Ascend machine); it is used where torch_npu is already imported. None where
+    neither exists."""
     fn = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+    if fn is None:
+        npu = sys.modules.get("torch_npu")
+        fn = getattr(getattr(npu, "_C", None), "_tensors_data_ptrs_at_indices_equal", None)
     return cast(Callable[[list[object], list[int | None], list[int]], bool] | None, fn)
 
 
