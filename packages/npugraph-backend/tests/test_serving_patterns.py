@@ -16,9 +16,8 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from npugraph_runtime import graph_pool_handle
 from torch import nn
-
-import npugraph_ex
 
 BLOCK = 4
 BLOCKS = 16
@@ -179,7 +178,7 @@ def test_paged_cache_buckets_replay_without_held_outputs(dynamic: bool) -> None:
 
 
 def test_two_models_on_one_graph_pool_keep_outputs_across_buckets() -> None:
-    pool = npugraph_ex.graph_pool_handle()
+    pool = graph_pool_handle()
     models = [PagedModel().eval() for _ in range(2)]
     twins = [copy.deepcopy(m) for m in models]
     compiled = [_compile(m, False, {"use_graph_pool": pool}) for m in models]
