@@ -272,8 +272,7 @@ class CacheCompiledFunction:
             stacklevel=4,
         )
         bump("state_writers")
-        backend = self.compile_fn(self.options, self.custom_decompositions)
-        return _Uncached(torch.compile(self._function, backend=backend, dynamic=self.dynamic or None))
+        return self._compile_without_cache(fullgraph=False, automatic_dynamic=True)
 
     def _call_planning(
         self, entry: _Entry, args: tuple[Any, ...], call_args: tuple[Any, ...],
@@ -465,10 +464,16 @@ class CacheCompiledFunction:
         self._unfinished = (path, metadata, payload)
         return compiled, guards
 
-    def _compile_without_cache(self) -> _Uncached:
+    def _compile_without_cache(
+        self, fullgraph: bool = True, automatic_dynamic: bool = False
+    ) -> _Uncached:
+        """torch.compile of the method with this cache's backend, options and ``dynamic``;
+        ``automatic_dynamic``: where the cache is static, dynamo's automatic dynamic shapes
+        instead (``dynamic=None``)."""
         backend = self.compile_fn(self.options, self.custom_decompositions)
+        dynamic = (self.dynamic or None) if automatic_dynamic else self.dynamic
         compiled = torch.compile(
-            self._function, fullgraph=True, backend=backend, dynamic=self.dynamic
+            self._function, fullgraph=fullgraph, backend=backend, dynamic=dynamic
         )
         return _Uncached(compiled)
 
