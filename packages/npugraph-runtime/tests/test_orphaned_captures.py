@@ -86,3 +86,22 @@ def test_a_temporary_static_input_still_reaches_capture_limit() -> None:
     seen = _counts("temp")
     assert seen["released_orphaned"] == 3
     assert seen["eager_fallback_due_to_capture_limit"] == 1
+
+
+def test_a_per_call_view_of_a_live_weight_keeps_its_captures() -> None:
+    """``g(x, w.t())``: each call passes a new view object of a live weight as the static input,
+    so the view a capture holds is referenced by nothing else, but its memory is (``w``). Two
+    keys in turn must keep one capture each; counted by the object alone, every new key
+    released the other key's capture and the calls recaptured each time."""
+    counters.clear()
+    w = torch.randn(8, 8)
+    g = ngr.make_graphed_callable(lambda x, v: x @ v, [torch.randn(2, 8), w.t()],
+                                  static_argnums=(1,), name="view")
+    with torch.no_grad():
+        for step in range(10):
+            x = torch.randn(2 + step % 2, 8)
+            torch.testing.assert_close(g(x, w.t()), x @ w.t())
+    seen = _counts("view")
+    assert seen["captured"] == 2
+    assert seen["capture_due_to_new_key"] == 2
+    assert "released_orphaned" not in seen

@@ -12,6 +12,7 @@ from typing import cast
 
 import torch
 
+from npugraph_runtime import _compat
 from npugraph_runtime.core_limit import capture_core_limit
 from npugraph_runtime.devices.base import DeviceGraph, PoolHandle
 from npugraph_runtime.devices.cpu import CpuGraph
@@ -79,9 +80,9 @@ class Capture:
         self.watched_ptrs: list[int] = []
         # the caller's mutated tensors, weakly: the capture itself holds aliases of them
         self.callers: list[weakref.ref[torch.Tensor]] = []
-        # (static input index, how many references to it the capture itself holds): see
-        # orphaned_captures
-        self.own_refs: list[tuple[int, int]] = []
+        # (static input index, references to the tensor object and uses of its storage that the
+        # capture itself holds): see orphaned_captures
+        self.own_refs: list[tuple[int, int, int]] = []
         self.core_limit = capture_core_limit()
         self.outputs: object = None
         self.holds: Holds | None = None
@@ -98,20 +99,42 @@ class Capture:
         return [_data_ptr(tensor(args, i)) for i in watched] == self.watched_ptrs
 
 
+def storage_uses(t: torch.Tensor) -> int:
+    """The C++ uses of ``t``'s storage: one per tensor viewing it (and per Python storage object
+    other than the one this call makes to read it)."""
+    storage = t.untyped_storage()
+    return _storage_uses(storage._cdata) - 1
+
+
 def orphaned_captures(caps: Sequence[Capture]) -> list[Capture]:
     """The captures of ``caps`` with a static input (a parameter) that nothing but these
     captures references: a model that was dropped. No call can pass that tensor again, so such a
     capture never replays; releasing it frees the weights it holds and its pool, which a server
     swapping models would otherwise accumulate (dynamo's code cache keeps the captures of a
     class's ``forward`` for the process) until capture_limit made every later model run eagerly.
-    A reference held elsewhere (a live module, another callable's capture) keeps a capture."""
-    ours: dict[int, int] = {}
+    A reference held elsewhere keeps a capture: to the tensor object (a live module, another
+    callable's capture), or to its memory through another tensor (a per-call view of a live
+    weight passed as the static input, ``w.t()``: that view object is only ours, its storage is
+    not). No local names a static input here: it would be one more reference."""
+    objects: dict[int, int] = {}
+    storages: dict[int, int] = {}
     for c in caps:
-        for i, n in c.own_refs:
-            ours[id(c.args[i])] = ours.get(id(c.args[i]), 0) + n
-    # getrefcount's own argument is the one reference beyond those counted
+        for i, n, m in c.own_refs:
+            objects[id(c.args[i])] = objects.get(id(c.args[i]), 0) + n
+            key = _storage_key(c.args[i])
+            storages[key] = storages.get(key, 0) + m
+    # beyond those counted: getrefcount's own argument, and the tensor's own use of its storage
     return [c for c in caps if any(
-        sys.getrefcount(c.args[i]) - 1 <= ours[id(c.args[i])] for i, _ in c.own_refs)]
+        sys.getrefcount(c.args[i]) - 1 <= objects[id(c.args[i])]
+        and storage_uses(c.args[i]) - 1 <= storages[_storage_key(c.args[i])]  # type: ignore[arg-type]
+        for i, _, _ in c.own_refs)]
+
+
+def _storage_key(t: object) -> int:
+    return int(cast(torch.Tensor, t).untyped_storage()._cdata)
+
+
+_storage_uses = _compat.storage_use_count()
 
 
 def _unset(args: Args) -> object:

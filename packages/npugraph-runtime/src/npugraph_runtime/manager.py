@@ -27,6 +27,7 @@ from npugraph_runtime.capture import (
     capture_runs_fn,
     orphaned_captures,
     record,
+    storage_uses,
     undone_runs,
     warm_up,
 )
@@ -455,7 +456,8 @@ class GraphedCallable:
         else:
             result = self._warm_up(args) if reason == NEW_KEY else _NO_RESULT
         statics = _distinct_tensors(args, self._slots.static)
-        before = [sys.getrefcount(args[i]) for i in statics]
+        before = [(sys.getrefcount(args[i]), storage_uses(args[i]))  # type: ignore[arg-type]
+                  for i in statics]
         cap = record(self._fn, self.name, self._spec, self._policy, self._slots, key, args,
                      device, self._pool_for(device), self._replay_closure, as_call,
                      self._mirrored, self._adoptable(reason))
@@ -472,8 +474,9 @@ class GraphedCallable:
             self._runs[key] = cap.replay
         # counted before anything is handed out (an output viewing a parameter is the caller's
         # reference) and before the replaced capture lets go of its own
-        cap.own_refs = [(i, sys.getrefcount(args[i]) - b)
-                        for i, b in zip(statics, before, strict=True)]
+        cap.own_refs = [(i, sys.getrefcount(args[i]) - refs,
+                         storage_uses(args[i]) - uses)  # type: ignore[arg-type]
+                        for i, (refs, uses) in zip(statics, before, strict=True)]
         if replacing is not None:
             replacing.graph.reset()
         self.events.append(CaptureEvent(key, reason))
