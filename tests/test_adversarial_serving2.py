@@ -192,3 +192,76 @@ def test_train_and_eval_after_the_first_call(tmp_path: Path, start: str) -> None
     assert sum(v for k, v in counters["npugraph_ex"].items() if k.startswith("captured_")) >= 2
     if start == "warm":
         assert counters["npugraph_ex_cache"]["loaded"] == 2
+
+
+class Block(Normed):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y * 2 if self.training else y  # a branch on the submodule's own mode
+
+
+class Stack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = Block()
+        self.b = Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x))
+
+
+def _set_modes(model: Stack, step: int) -> None:
+    if step == 3:
+        model.a.train()  # a submodule alone
+    elif step == 5:
+        model.a.norm.eval()  # a module inside it
+    elif step == 7:
+        model.b.training = True  # the flag set directly
+    elif step == 9:
+        model.eval()  # back to the first entry's modes
+    elif step == 11:
+        fresh = Block().train()  # a submodule replaced by one in another mode
+        fresh.load_state_dict(model.a.state_dict())
+        model.a = fresh
+
+
+@pytest.mark.parametrize("start", ["cold", "warm"])
+def test_a_submodules_mode_set_alone_after_the_first_call(tmp_path: Path, start: str) -> None:
+    """``model.a.train()``, ``model.a.norm.eval()`` or ``model.b.training = True`` after the
+    first served call: the entry made in eval mode kept replaying (only the top module's flag was
+    read), so BatchNorm and the mode branch gave eval results in train mode. Each ``training``
+    flag the code read is checked on every call; each set of modes gets an entry."""
+    if start == "warm":
+        warm = Stack().eval()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fn = cache_compile(warm.forward, dynamic=False, cache_dir=tmp_path)
+            for step in range(13):
+                _set_modes(warm, step)
+                fn(torch.randn(6, 8))
+    counters.clear()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Stack().eval()
+    eager = copy.deepcopy(model)
+    fn = cache_compile(model.forward, dynamic=False, cache_dir=tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(14):
+            for m in (model, eager):
+                torch.manual_seed(step)
+                _set_modes(m, step)
+            x = torch.randn(6, 8)
+            with torch.no_grad():
+                got, want = fn(x), eager(x)
+            torch.testing.assert_close(got, want)
+            for block in ("a", "b"):
+                torch.testing.assert_close(model.get_submodule(block).norm.running_mean,
+                                           eager.get_submodule(block).norm.running_mean)
+    # eval; a train; a.norm eval; b train too. All eval again is the first entry's modes, and
+    # the replaced a in train mode the second's (looked up again after the assignment)
+    assert len(fn._entries) == 4
+    assert sum(v for k, v in counters["npugraph_ex"].items() if k.startswith("captured_")) >= 4
+    if start == "warm":
+        assert counters["npugraph_ex_cache"]["loaded"] == 4
+        assert counters["npugraph_ex_cache"]["compiled"] == 0

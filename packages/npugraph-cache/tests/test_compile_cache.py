@@ -407,6 +407,30 @@ def test_changed_global_within_a_process_selects_another_entry(tmp_path: Path) -
     assert "G['SCALE'] is 3.0, was 2.0" in warning
 
 
+class Moded(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+
+    def step(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.inner:
+            x = layer(x)
+            x = x * 2 if layer.training else x - 1  # what dropout and BatchNorm do, in short
+        return x
+
+
+def test_a_submodules_training_flag_is_checked_on_every_call(tmp_path: Path) -> None:
+    module = Moded().eval()
+    fn = cache_compile(module.step, cache_dir=tmp_path)
+    x = torch.randn(2, 4)
+    for flip in (None, 1, 0, None, 0):
+        if flip is not None:
+            module.inner[flip].train(not module.inner[flip].training)
+        with torch.no_grad():
+            torch.testing.assert_close(fn(x), module.step(x))
+    assert len(fn._entries) == 3  # (eval, eval), (eval, train), (train, train), then (eval, train)
+
+
 def test_world_writable_cache_dir_is_refused(tmp_path: Path, block: Block) -> None:
     root = tmp_path / "shared"
     root.mkdir()

@@ -21,7 +21,7 @@ import torch
 
 from npugraph_cache import _compat
 
-__all__ = ["Direct", "plan", "registrations"]
+__all__ = ["Direct", "count_registrations", "plan", "registrations"]
 
 Direct = Callable[[tuple[Any, ...]], Any]
 
@@ -44,7 +44,8 @@ def registrations() -> int:
     return _count[0]
 
 
-def _install() -> bool:
+def count_registrations() -> bool:
+    """Install the hooks ``registrations`` counts with (once); False where torch lacks them."""
     global _installed
     if not _installed:
         from torch.nn.modules import module as nn_module
@@ -65,7 +66,7 @@ def plan(module: torch.nn.Module, args: tuple[Any, ...], probe: Any, result: Any
     not fit a plan: a graph input read from the module other than through its parameter, buffer
     and submodule dicts, one that the probe did not find where its path says, or a result that
     is not the graph's output, one of its items, or a tuple of them."""
-    if probe is None or not _install():
+    if probe is None or not count_registrations():
         return None
     graph, flat, out, paths = probe
     template = list(flat)

@@ -10,9 +10,9 @@ globals (``G[...]``, closure cells included) or at the module itself (``self.<at
 expressions with a portable description of the value (type and value for scalars, strings and
 tuples of them; module and qualified name for a function; ``repr`` otherwise). They are stored in
 the entry's (authenticated) metadata and checked before an entry is unpickled; the globals are
-checked again on every call: a changed value selects or compiles another entry, as
-torch.compile recompiles. A module attribute changed inside a running process after its first
-call is not re-checked (documented in the README).
+checked again on every call, as are the modules' ``training`` flags: a changed value selects or
+compiles another entry, as torch.compile recompiles. Another module attribute changed inside a
+running process after its first call is not re-checked (documented in the README).
 
 Guards on the other arguments are left to the key's value signature; a value whose description
 holds a memory address (``<object at 0x...>``) cannot be compared across processes and is
@@ -22,11 +22,13 @@ skipped (documented in the README).
 from __future__ import annotations
 
 import builtins
+import operator
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from npugraph_cache import dispatch
 from npugraph_cache.errors import FormatError
 
 VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH"})
@@ -117,14 +119,16 @@ class ValueGuards:
         return cls(data["self"], tuple(data["sources"]), _from_json(data["expected"]))
 
     def checker(self, f_globals: dict[str, Any], module: Any) -> Callable[[], bool]:
-        """A cheap check for every call: True when every global (and closure cell) still has
-        its description. Module attributes are checked when an entry is selected (``mismatch``)
-        but not on every call: they are one per layer (a 12-layer Llama has ~250) and would
-        cost ~100 µs a call. The fast path compares the raw values with those last seen to match (a tuple compare,
+        """A cheap check for every call: True when every global (and closure cell), and every
+        module's ``training`` flag the code read, still has its description. Other module
+        attributes are checked when an entry is selected (``mismatch``) but not on every call:
+        they are one per layer (a 12-layer Llama has ~250) and would cost ~100 µs a call. The
+        fast path compares the raw values with those last seen to match (a tuple compare,
         identity first); only when that differs are the values described and compared."""
+        modes = self._mode_check(module)
         picked = [i for i, source in enumerate(self.sources) if source.startswith("G[")]
         if not picked:
-            return _always
+            return modes or _always
         sources = [self.sources[i] for i in picked]
         raw = _evaluator(self.self_name, sources, described=False)
         described = _evaluator(self.self_name, sources)
@@ -143,7 +147,37 @@ class ValueGuards:
             seen[0] = values
             return True
 
-        return check
+        if modes is None:
+            return check
+        return lambda: check() and modes()
+
+    def _mode_check(self, module: Any) -> Callable[[], bool] | None:
+        """The ``training`` flags the code read (``if self.training``, BatchNorm, dropout),
+        checked on every call: ``model.norm.train()`` or ``model.drop.eval()`` alone is an
+        ordinary thing to do in a running process. Read from the module objects, which are
+        looked up again only after a submodule assignment (the registration count of
+        ``dispatch``): walking each ``self._modules[...]`` chain costs ~0.7 µs a module, reading
+        the flag ~0.07 µs."""
+        picked = [i for i, source in enumerate(self.sources) if _is_mode(source, self.self_name)]
+        if not picked:
+            return None
+        owners = _evaluator(self.self_name,
+                            [self.sources[i][: -len(_MODE)] for i in picked], described=False)
+        want = tuple(self.expected[i][1] for i in picked)
+        counted = dispatch.count_registrations()
+        held: list[Any] = [-1, ()]  # (registration count, the modules)
+
+        def modes() -> bool:
+            count = dispatch.registrations()
+            if count != held[0] or not counted:
+                try:
+                    held[1] = owners({}, module)
+                except Exception:  # a submodule that is gone: not the traced module
+                    return False
+                held[0] = count
+            return tuple(map(_training, held[1])) == want
+
+        return modes
 
     def mismatch(self, f_globals: dict[str, Any], module: Any) -> str | None:
         """The first value that differs, described for a warning; None when all match."""
@@ -167,6 +201,15 @@ class ValueGuards:
         except Exception:  # mismatch names the value that cannot be read
             pass
         return self.mismatch(f_globals, module)
+
+
+_MODE = ".training"
+_training = operator.attrgetter("training")
+
+
+def _is_mode(source: str, self_name: str) -> bool:
+    """A module's (or a submodule's) mode, as dynamo names its source."""
+    return source.endswith(_MODE) and source.startswith(f"{self_name}.")
 
 
 def _always() -> bool:
