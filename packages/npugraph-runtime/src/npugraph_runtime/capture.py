@@ -61,8 +61,9 @@ class Slots:
 class Capture:
     """One captured graph and what its replay closure needs kept alive."""
 
-    __slots__ = ("addresses", "args", "buffers", "callers", "core_limit", "graph", "holds", "key",
-                 "mirrored", "outputs", "own_refs", "plan", "replay", "watched_ptrs")
+    __slots__ = ("__weakref__", "addresses", "args", "buffers", "callers", "core_limit", "graph",
+                 "holds", "key", "lent", "mirrored", "outputs", "own_refs", "plan", "replay",
+                 "watched_ptrs")
 
     def __init__(
         self, key: Key, graph: DeviceGraph, args: list[object], buffers: list[torch.Tensor],
@@ -83,11 +84,26 @@ class Capture:
         # (static input index, references to the tensor object and uses of its storage that the
         # capture itself holds): see orphaned_captures
         self.own_refs: list[tuple[int, int, int]] = []
+        # the undos of what this capture keeps of other captures' outputs (Holds.lend)
+        self.lent: list[Callable[[], None]] = []
         self.core_limit = capture_core_limit()
         self.outputs: object = None
         self.holds: Holds | None = None
         self.plan: OutputPlan | None = None
         self.replay: Callable[[Args], object] = _unset
+
+    def keeps(self, lent: list[Callable[[], None]]) -> None:
+        """This capture keeps other captures' outputs (``lent``: the undos of Holds.lend); they
+        are given back when it is released, or when it is collected without a release."""
+        self.lent = lent
+        if lent:
+            weakref.finalize(self, _give_back, lent)
+
+    def release(self) -> None:
+        """Let go of the graph, first giving back what it kept of other captures' outputs: a
+        lender's count that is briefly above the caller's reads as held, the safe side."""
+        _give_back(self.lent)
+        self.graph.reset()
 
     def dropped(self) -> bool:
         """The caller let go of a mutated tensor of this capture (a finished request's cache):
@@ -97,6 +113,11 @@ class Capture:
     def fits(self, args: Args, watched: Sequence[int]) -> bool:
         """The addresses the replay closure checks are the ones this call passes."""
         return [_data_ptr(tensor(args, i)) for i in watched] == self.watched_ptrs
+
+
+def _give_back(lent: list[Callable[[], None]]) -> None:
+    for undo in lent:
+        undo()
 
 
 def storage_uses(t: torch.Tensor) -> int:

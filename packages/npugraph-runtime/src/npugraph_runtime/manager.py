@@ -49,7 +49,7 @@ from npugraph_runtime.errors import CaptureError, PolicyError
 from npugraph_runtime.graphs import as_pool_handle, graph_pool_handle
 from npugraph_runtime.inputs import mirror_filler, refiller, storage_ptr
 from npugraph_runtime.keys import NEEDS_GRAD, Args, Key, key_function, picker
-from npugraph_runtime.outputs import OutputPlan, note_result, output_plan
+from npugraph_runtime.outputs import OutputPlan, lender, note_result, output_plan
 from npugraph_runtime.selection import choose
 from npugraph_runtime.spec import CapturePolicy, InputSpec, OutputSpec, SlotKind
 
@@ -418,7 +418,7 @@ class GraphedCallable:
         self._total -= len(gone)
         self._released += len(gone)
         for cap in gone:
-            cap.graph.reset()
+            cap.release()
         self._counters.count_released(len(gone), self._total)
         logger.info("%s: released %d capture(s) whose parameters nothing else holds",
                     self.name, len(gone))
@@ -458,6 +458,12 @@ class GraphedCallable:
         statics = _distinct_tensors(args, self._slots.static)
         before = [(sys.getrefcount(args[i]), storage_uses(args[i]))  # type: ignore[arg-type]
                   for i in statics]
+        # inputs the capture keeps that are another capture's outputs (graph A's result that
+        # graph B updates in place across a graph break): what B keeps is lent to A's counts
+        lenders = [(i, h) for i in _distinct_tensors(args, (*self._slots.static, *self._slots.mutated))
+                   if (h := lender(args[i])) is not None]  # type: ignore[arg-type]
+        lent_before = [(sys.getrefcount(args[i]), storage_uses(args[i]))  # type: ignore[arg-type]
+                       for i, _ in lenders]
         cap = record(self._fn, self.name, self._spec, self._policy, self._slots, key, args,
                      device, self._pool_for(device), self._replay_closure, as_call,
                      self._mirrored, self._adoptable(reason))
@@ -477,8 +483,12 @@ class GraphedCallable:
         cap.own_refs = [(i, sys.getrefcount(args[i]) - refs,
                          storage_uses(args[i]) - uses)  # type: ignore[arg-type]
                         for i, (refs, uses) in zip(statics, before, strict=True)]
+        kept = [(sys.getrefcount(args[i]) - refs, storage_uses(args[i]) - uses)  # type: ignore[arg-type]
+                for (i, _), (refs, uses) in zip(lenders, lent_before, strict=True)]
+        cap.keeps([h.lend(args[i], refs, uses)  # type: ignore[arg-type]
+                   for (i, h), (refs, uses) in zip(lenders, kept, strict=True)])
         if replacing is not None:
-            replacing.graph.reset()
+            replacing.release()
         self.events.append(CaptureEvent(key, reason))
         self._counters.count_capture(reason, self._total)
         logger.info("%s: captured graph key %s (%s)", self.name, key, reason)
@@ -562,7 +572,7 @@ class GraphedCallable:
         self._captures.clear()
         self._total = 0
         for cap in captures:
-            cap.graph.reset()
+            cap.release()
 
     def reset(self) -> None:
         """Release every graph; the next call of each key captures again."""

@@ -70,7 +70,7 @@ class Holds:
     reference counts when nothing outside the capture holds them (``settle`` before the first
     hand-out). The replay closure compares ``counts()``, inlined, with ``base``."""
 
-    __slots__ = ("base", "cdatas", "objects", "storages", "use_count")
+    __slots__ = ("__weakref__", "base", "cdatas", "objects", "storages", "use_count")
 
     def __init__(self, objects: list[object], storages: list[torch.UntypedStorage]) -> None:
         self.objects = objects
@@ -78,12 +78,58 @@ class Holds:
         self.cdatas: list[int] = [s._cdata for s in storages]
         self.use_count = _compat.storage_use_count()
         self.base: tuple[list[int], list[int]] = ([], [])
+        for cdata in self.cdatas:
+            _LENDERS[cdata] = self
 
     def counts(self) -> tuple[list[int], list[int]]:
         return list(map(sys.getrefcount, self.objects)), list(map(self.use_count, self.cdatas))
 
     def settle(self) -> None:
         self.base = self.counts()
+
+    def lend(self, t: torch.Tensor, refs: int, uses: int) -> Callable[[], None]:
+        """Another capture keeps ``t`` (one of these outputs, or a view of one) as its own input
+        and holds ``refs`` references to it and ``uses`` uses of its storage: count them as
+        not the caller's. Graph B that updates graph A's result in place across a graph break
+        (``res.add_(...)`` in a layer's second half) keeps it: without this A would see its
+        output held on every call and make a capture each call, and B, seeing a new address,
+        one more. Returns the undo, to be called before B lets go of them (a count below the
+        settled one reads as held, the safe side; one above must never happen)."""
+        at_object = next((k for k, o in enumerate(self.objects) if o is t), None)
+        at_storage = self.cdatas.index(t.untyped_storage()._cdata)
+        _shift(self, at_object, refs, at_storage, uses)
+        lender = weakref.ref(self)
+        done = [False]
+
+        def undo() -> None:
+            holds = lender()
+            if holds is not None and not done[0]:
+                done[0] = True
+                _shift(holds, at_object, -refs, at_storage, -uses)
+
+        return undo
+
+
+def _shift(holds: Holds, at_object: int | None, refs: int, at_storage: int, uses: int) -> None:
+    objects, storages = holds.base
+    if at_object is not None and at_object < len(objects):
+        objects[at_object] += refs
+    if at_storage < len(storages):
+        storages[at_storage] += uses
+
+
+# A static output's storage (its C++ address) -> the Holds of the capture that hands it out,
+# for a later capture that keeps such a tensor as its input (Holds.lend)
+_LENDERS: weakref.WeakValueDictionary[int, Holds] = weakref.WeakValueDictionary()
+
+
+def lender(t: torch.Tensor) -> Holds | None:
+    """The Holds of the capture whose static output ``t`` is, or views; None for any other."""
+    try:
+        cdata = t.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):  # a wrapper subclass without storage
+        return None
+    return _LENDERS.get(cdata)
 
 
 @dataclasses.dataclass

@@ -1,0 +1,102 @@
+"""One capture's static output kept by another capture as its input: graph B updating graph A's
+result in place (what a graph break inside a layer makes of ``res.add_(...)`` in its second
+half). B's capture keeps an alias of A's output; A must not read that as the caller holding its
+output, or every call makes a capture of A and then of B (there was one per call before). What
+the caller itself keeps must still be seen."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from npugraph_runtime import make_graphed_callable
+
+CALLS = 8
+
+
+def first_half(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x @ w + 1.0
+
+
+def second_half(res: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    res.add_(torch.tanh(res @ w))  # in place on the other graph's result
+    return res * 2.0
+
+
+@pytest.fixture
+def weights() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return torch.randn(8, 8) * 0.3, torch.randn(8, 8) * 0.3
+
+
+def _pair(weights: tuple[torch.Tensor, torch.Tensor], **policy: object) -> tuple[object, object]:
+    w1, w2 = weights
+    x = torch.randn(4, 8)
+    a = make_graphed_callable(first_half, (x, w1), static_argnums=(1,), **policy)
+    b = make_graphed_callable(second_half, (first_half(x, w1), w2), static_argnums=(1,),
+                              mutated_argnums=(0,), **policy)
+    return a, b
+
+
+def _eager(x: torch.Tensor, weights: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    res = first_half(x, weights[0])
+    return res, second_half(res, weights[1])
+
+
+@pytest.mark.parametrize("policy", [{}, {"warmup": 0}, {"clone_input": False}])
+def test_a_result_the_next_graph_updates_in_place_replays(
+    weights: tuple[torch.Tensor, torch.Tensor], policy: dict[str, object],
+) -> None:
+    a, b = _pair(weights, **policy)
+    for _ in range(CALLS):
+        x = torch.randn(4, 8)
+        res = a(x, weights[0])
+        out = b(res, weights[1])
+        want_res, want_out = _eager(x, weights)
+        torch.testing.assert_close(res, want_res)
+        torch.testing.assert_close(out, want_out)
+        del res, out
+    # A: its one capture. B: the first call's capture saw the first call's own result (a CPU
+    # capture that is the call's run returns a copy), then A's static output, at one address
+    assert len(a.events) == 1, [e.reason for e in a.events]
+    assert len(b.events) <= 2, [e.reason for e in b.events]
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_what_the_caller_keeps_of_the_lent_output_is_never_overwritten(
+    weights: tuple[torch.Tensor, torch.Tensor], view: bool,
+) -> None:
+    a, b = _pair(weights, capture_limit=CALLS + 2)
+    kept, want = [], []
+    for _ in range(CALLS):
+        x = torch.randn(4, 8)
+        res = a(x, weights[0])
+        b(res, weights[1])
+        kept.append(res[1:] if view else res)
+        want.append(_eager(x, weights)[0][1:] if view else _eager(x, weights)[0])
+        del res
+        for got, expected in zip(kept, want, strict=True):
+            torch.testing.assert_close(got, expected)
+    assert sum(e.reason == "held_outputs" for e in a.events) >= 1
+
+
+def test_a_released_borrower_gives_its_references_back(
+    weights: tuple[torch.Tensor, torch.Tensor],
+) -> None:
+    a, b = _pair(weights)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        b(a(x, weights[0]), weights[1])
+    b.reset()  # drops B's captures and what they kept of A's output
+    del b
+    gc.collect()
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(a(x, weights[0]), first_half(x, weights[0]))
+    assert len(a.events) == 1, [e.reason for e in a.events]  # A's counts are exact again
+    kept = a(torch.randn(4, 8), weights[0])
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(a(x, weights[0]), first_half(x, weights[0]))
+    assert [e.reason for e in a.events][-1] == "held_outputs"  # and what the caller keeps is seen
+    del kept
