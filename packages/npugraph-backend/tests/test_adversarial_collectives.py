@@ -116,10 +116,11 @@ def test_clone_input_false_with_outputs_held_on_one_rank(ranks: list[dict[str, A
 def test_an_input_all_reduced_in_place_with_outputs_held_on_one_rank(
     ranks: list[dict[str, Any]],
 ) -> None:
-    # a fresh input every call is a mutated input at a new address: a capture a call, each the
-    # call's own run (applied twice, the input would hold world_size x the sum)
+    # a fresh input every call is a mutated input at a new address: two captures for it, each
+    # the call's own run (applied twice, the input would hold world_size x the sum), then the
+    # key copies it into a buffer of its own and back, and replays
     for res in _check(ranks, "input_all_reduced_held_on_one_rank"):
-        assert res["new_keys"] == 1 and res["mutated"] == 7, res
+        assert res["new_keys"] == 1 and res["mutated"] == 2 and res["copied"] == 1, res
 
 
 def test_a_graph_break_between_two_collectives_with_outputs_held_on_one_rank(

@@ -62,8 +62,8 @@ class Capture:
     """One captured graph and what its replay closure needs kept alive."""
 
     __slots__ = ("__weakref__", "addresses", "args", "buffers", "callers", "core_limit", "graph",
-                 "holds", "key", "lent", "mirrored", "outputs", "own_refs", "plan", "replay",
-                 "watched_ptrs")
+                 "holds", "key", "lent", "mirrored", "new_tensor", "outputs", "own_refs", "plan",
+                 "replay", "replayed", "watched_ptrs")
 
     def __init__(
         self, key: Key, graph: DeviceGraph, args: list[object], buffers: list[torch.Tensor],
@@ -86,6 +86,11 @@ class Capture:
         self.own_refs: list[tuple[int, int, int]] = []
         # the undos of what this capture keeps of other captures' outputs (Holds.lend)
         self.lent: list[Callable[[], None]] = []
+        # made for a mutated tensor at a new address: whether a later call replays it tells a
+        # request's tensor from one that is new on every call (copied_inputs); only such a
+        # capture's replay notes it
+        self.new_tensor = False
+        self.replayed = [False]  # a cell, so the replay closure noting it does not hold self
         self.core_limit = capture_core_limit()
         self.outputs: object = None
         self.holds: Holds | None = None
@@ -196,6 +201,7 @@ def record(
     closure: Callable[[Capture], Callable[[Args], object]], as_call: bool = False,
     mirrored: frozenset[int] = frozenset(),
     adoptable: frozenset[int] | None = None,
+    new_tensor: bool = False,
 ) -> Capture:
     """Capture once; again, with mirrored buffers, when the graph turns out to read a user
     input through as_strided (at storage positions a dense buffer does not have). ``closure``
@@ -224,6 +230,7 @@ def record(
     cap = Capture(key, g, cap_args, buffers, mirrored)
     cap.callers = [weakref.ref(tensor(args, i)) for i in slots.mutated]
     cap.outputs = out
+    cap.new_tensor = new_tensor
     try:
         cap.replay = closure(cap)
     except BaseException:

@@ -31,12 +31,14 @@ from npugraph_runtime.capture import (
     undone_runs,
     warm_up,
 )
+from npugraph_runtime.copied_inputs import CopiedInputs
 from npugraph_runtime.core_limit import capture_core_limit
 from npugraph_runtime.counters import (
     CAPTURE_LIMIT,
     FORCE_EAGER,
     FORCE_RECAPTURE,
     HELD_OUTPUTS,
+    MUTATED_INPUT_CHANGE,
     NEW_KEY,
     STATIC_INPUT_CHANGE,
     CaptureEvent,
@@ -155,6 +157,8 @@ class GraphedCallable:
         self._runs: dict[Key, Callable[[Args], object]] = {}
         # each bind()'s replay closures over its held inputs, by the closure they stand in for
         self._bound: weakref.WeakSet[_Variants] = weakref.WeakSet()
+        # keys whose mutated inputs come at a new address on every call (copied_inputs)
+        self._copied: dict[Key, CopiedInputs] = {}
         self._lock = threading.RLock()
 
     # ---- the hot path -------------------------------------------------------------------
@@ -228,6 +232,8 @@ class GraphedCallable:
         """The replay closure of ``cap``; with ``held`` (bind), one that takes only the inputs
         before them."""
         replay = cap.graph.replay
+        if cap.new_tensor:
+            replay = _noting_replays(cap.replayed, replay)
         core_limit, captured_limit = capture_core_limit, cap.core_limit
         # Inputs the graph uses in place: their addresses at capture, checked in one C++ call
         # where torch has one, else in one pass of data_ptr (~55 ns a tensor).
@@ -340,16 +346,71 @@ class GraphedCallable:
                     return out
         choice = choose(self.name, self._slots, caps, args, capture_core_limit(),
                         self._total < self._policy.capture_limit)
-        if choice.replacing is None:
+        gone = choice.replacing
+        new_tensor = (choice.reason == MUTATED_INPUT_CHANGE and key not in self._copied
+                      and not self._policy.force_recapture)
+        if gone is None:
             if choice.reason == STATIC_INPUT_CHANGE:  # another model: is an earlier one gone?
                 self._release_orphans()
-            return self._another(key, args, choice.reason)
-        return self._capture(key, args, choice.reason, replacing=choice.replacing)
+            return self._another(key, args, choice.reason, new_tensor)
+        if new_tensor and gone.new_tensor and not gone.replayed[0] and gone.dropped():
+            # a capture made for a new tensor, dropped before any later call replayed it: this
+            # input is new on every call, and each call would capture
+            churned = [i for i, ref in zip(self._slots.mutated, gone.callers, strict=True)
+                       if ref() is None]
+            if CopiedInputs.eligible(churned, args):
+                return self._start_copying(key, args, CopiedInputs(churned, args))
+        return self._capture(key, args, choice.reason, replacing=gone, new_tensor=new_tensor)
 
-    def _another(self, key: Key, args: Args, reason: str) -> object:
+    def _start_copying(self, key: Key, args: Args, copied: CopiedInputs) -> object:
+        """From now on ``key``'s calls copy those mutated inputs into buffers of the key's own and
+        back (copied_inputs), so that its capture over the buffers replays."""
+        self._copied[key] = copied
+        copied.inner = self._runs.get(key)
+        run = self._copied_run(key, copied)
+        self._runs[key] = run
+        self._counters.count_copied(len(copied.slots))
+        logger.info("%s: key %s copies mutated input(s) %s in and out on every call (a new "
+                    "tensor on every call)", self.name, key, copied.slots)
+        return run(args)
+
+    def _copied_run(self, key: Key, copied: CopiedInputs) -> Callable[[Args], object]:
+        copy = self._copy
+
+        def run(args: Args) -> object:
+            if not copied.fits(args):  # another layout, a view: the address rules again
+                self._stop_copying(key, copied)
+                return self._reselect(key, args, run)
+            sources = copied.sources(args)
+            copy(copied.buffers, sources)
+            sub = copied.substitute(args)
+            inner = copied.inner
+            out = inner(sub) if inner is not None else _MISS
+            if out is _MISS:
+                out = self._reselect(key, sub, inner if inner is not None else run)
+                if self._copied.get(key) is copied:  # not released (a fallback) meanwhile
+                    latest = self._runs.get(key)
+                    copied.inner = latest if latest is not run else None
+                    self._runs[key] = run
+            copy(sources, copied.buffers)
+            return copied.remap(out, sources)
+
+        return run
+
+    def _stop_copying(self, key: Key, copied: CopiedInputs) -> None:
+        if self._copied.get(key) is not copied:
+            return
+        del self._copied[key]
+        inner = copied.inner
+        if inner is not None:
+            self._runs[key] = inner
+        else:
+            self._runs.pop(key, None)
+
+    def _another(self, key: Key, args: Args, reason: str, new_tensor: bool = False) -> object:
         """One more capture of ``key`` beside the others, within capture_limit."""
         if self._total < self._policy.capture_limit:
-            return self._capture(key, args, reason)
+            return self._capture(key, args, reason, new_tensor=new_tensor)
         if reason != HELD_OUTPUTS:
             self._fall_back(CAPTURE_LIMIT)
             return self._fn(*args)
@@ -412,6 +473,11 @@ class GraphedCallable:
             self._captures[key] = kept
             if self._runs.get(key) in runs:
                 self._runs[key] = kept[-1].replay
+            copied = self._copied.get(key)
+            if copied is not None and copied.inner in runs:
+                copied.inner = kept[-1].replay
+        for key in [k for k in self._copied if k not in self._captures]:
+            del self._copied[key]
         for variants in self._bound:
             for run in [r for r in variants.by_run if r in runs]:
                 del variants.by_run[run]
@@ -424,7 +490,8 @@ class GraphedCallable:
                     self.name, len(gone))
 
     def _capture(
-        self, key: Key, args: Args, reason: str, replacing: Capture | None = None
+        self, key: Key, args: Args, reason: str, replacing: Capture | None = None,
+        new_tensor: bool = False,
     ) -> object:
         """Capture ``key`` (beside its other captures, or replacing ``replacing``) and return the
         call's result.
@@ -466,7 +533,7 @@ class GraphedCallable:
                        for i, _ in lenders]
         cap = record(self._fn, self.name, self._spec, self._policy, self._slots, key, args,
                      device, self._pool_for(device), self._replay_closure, as_call,
-                     self._mirrored, self._adoptable(reason))
+                     self._mirrored, self._adoptable(reason), new_tensor)
         self._mirrored = cap.mirrored
         caps = self._captures.setdefault(key, [])
         if replacing is not None and replacing in caps:
@@ -504,6 +571,7 @@ class GraphedCallable:
         result = cap.replay(args)
         if result is _MISS:
             raise CaptureError(f"internal: {self.name}'s fresh capture of key {key} refused its call")
+        cap.replayed[0] = False  # that replay was this call's own
         return result
 
     def _warn_grad(self, args: Args) -> None:
@@ -570,6 +638,7 @@ class GraphedCallable:
         for variants in self._bound:
             variants.by_run.clear()
         self._captures.clear()
+        self._copied.clear()
         self._total = 0
         for cap in captures:
             cap.release()
@@ -660,6 +729,14 @@ class _Variants:
 def _needs_grad(args: Args) -> bool:
     return torch.is_grad_enabled() and any(
         isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
+def _noting_replays(replayed: list[bool], replay: Callable[[], None]) -> Callable[[], None]:
+    def noted() -> None:
+        replayed[0] = True
+        replay()
+
+    return noted
 
 
 def _distinct_tensors(args: Args, indices: Sequence[int]) -> list[int]:

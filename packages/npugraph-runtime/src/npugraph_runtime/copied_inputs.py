@@ -1,0 +1,106 @@
+"""Mutated inputs that come at a new address on every call, served through buffers of a graph
+key's own.
+
+A key's mutated inputs select its capture by address: a request's KV cache keeps its capture
+for as long as the request runs. A tensor that is new on every call would make every call a
+capture instead (a forward updating the caller's fresh input in place, ``x.mul_(2)``; a state
+fed back, ``h = f(h, x)`` with ``h.add_`` inside; another graph's cloned result updated across
+a graph break). When a key replaces a capture that was made for a new tensor, whose tensor the
+caller dropped before any later call replayed it, it switches to this: before each replay the
+caller's tensors are copied into the key's buffers, the graph runs on the buffers (one address:
+it replays), and after it the buffers are copied back into the caller's tensors, which the call
+hands out wherever the graph returns a buffer or a view of one, as eager returns the caller's
+tensor. A request's cache that lives for several calls is replayed before it is dropped, so it
+is never copied (the copies would cost two passes over it a call).
+
+Only tensors that are the whole of their storage (offset 0, dense) are copied, and a call must
+pass such tensors with the captured strides: a graph reading its input through ``as_strided``
+reads absolute storage positions, which are the same in the buffer only then. Any other call
+leaves this mode for the key (the capture manager's address rules again)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import cast
+
+import torch
+
+from npugraph_runtime.inputs import non_overlapping, storage_ptr
+from npugraph_runtime.keys import Args
+
+__all__ = ["CopiedInputs"]
+
+
+def _whole(t: object) -> bool:
+    """``t`` is all of its storage: offset 0, no gaps, no two elements in one place."""
+    return (
+        type(t) is torch.Tensor
+        and t.numel() > 0
+        and t.storage_offset() == 0
+        and non_overlapping(t)
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+    )
+
+
+class CopiedInputs:
+    """The buffers of one graph key's copied mutated inputs, and ``inner``: the replay closure of
+    the key's capture over them (None until one is made)."""
+
+    __slots__ = ("buffers", "by_storage", "inner", "layouts", "slots")
+
+    def __init__(self, slots: Sequence[int], args: Args) -> None:
+        self.slots = list(slots)
+        self.buffers: list[torch.Tensor] = []
+        for i in self.slots:
+            t: torch.Tensor = args[i]  # type: ignore[assignment]
+            self.buffers.append(torch.empty_strided(t.size(), t.stride(), dtype=t.dtype,
+                                                    device=t.device))
+        self.layouts = [(b.stride(), b.dtype, b.untyped_storage().nbytes()) for b in self.buffers]
+        self.by_storage = {storage_ptr(b): k for k, b in enumerate(self.buffers)}
+        self.inner: Callable[[Args], object] | None = None
+
+    @staticmethod
+    def eligible(slots: Sequence[int], args: Args) -> bool:
+        """Every tensor of ``slots`` is the whole of its storage and shares it with no other
+        input (a copy would part them: eager sees a write through every alias)."""
+        if not slots or not all(_whole(args[i]) for i in slots):
+            return False
+        ours = {storage_ptr(args[i]) for i in slots}  # type: ignore[arg-type]
+        if len(ours) != len(slots):
+            return False
+        others = [a for j, a in enumerate(args) if j not in slots and isinstance(a, torch.Tensor)]
+        return not any(storage_ptr(a) in ours for a in others)
+
+    def fits(self, args: Args) -> bool:
+        """This call's tensors can be copied into the buffers and stand for them."""
+        for i, (stride, dtype, nbytes) in zip(self.slots, self.layouts, strict=True):
+            t = args[i]
+            if not (type(t) is torch.Tensor and t.storage_offset() == 0 and t.dtype is dtype
+                    and t.stride() == stride and t.untyped_storage().nbytes() == nbytes):
+                return False
+        return True
+
+    def sources(self, args: Args) -> list[torch.Tensor]:
+        return [args[i] for i in self.slots]  # type: ignore[misc]
+
+    def substitute(self, args: Args) -> Args:
+        sub = list(args)
+        for i, b in zip(self.slots, self.buffers, strict=True):
+            sub[i] = b
+        return tuple(sub)
+
+    def remap(self, out: object, sources: Sequence[torch.Tensor]) -> object:
+        """``out`` with every buffer replaced by the caller's tensor and every view of one by
+        the same view of the caller's tensor (same offsets: both are whole storages)."""
+        if isinstance(out, torch.Tensor):
+            k = self.by_storage.get(storage_ptr(out)) if out.untyped_storage().nbytes() else None
+            if k is None:
+                return out
+            if out is self.buffers[k]:
+                return sources[k]
+            return sources[k].as_strided(out.size(), out.stride(), out.storage_offset())
+        if type(out) is tuple:
+            return tuple(self.remap(o, sources) for o in cast(tuple[object, ...], out))
+        if type(out) is list:
+            return [self.remap(o, sources) for o in cast(list[object], out)]
+        return out
