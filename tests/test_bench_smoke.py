@@ -86,3 +86,14 @@ def test_bench_quick_section_s_two_streams_equal_eager_with_captures(tmp_path: P
     for facts in results.values():
         assert facts["replays_equal_eager"] and facts["captures"] == 1 and facts["recompiles"] == 0
     assert "two streams / one stream (median per call)" in [f["name"] for f in section["figures"]]
+
+
+def test_bench_quick_section_m_inputs_updated_in_place_replay(tmp_path: Path) -> None:
+    """Bench (m): each graph that updates an input that is new on every call equals eager and
+    makes no capture while timed (each timed call captured before)."""
+    section = _quick_bench(tmp_path, "m")["sections"]["m"]
+    assert section["error"] == ""
+    results = section["data"]["results"]
+    assert set(results) == {"fresh input", "fed back", "graph break", "graph break, clone_output"}
+    for facts in results.values():
+        assert facts["replays_equal_eager"] and facts["captures_while_timed"] == 0, facts
