@@ -267,3 +267,11 @@ def resolve_async_collectives(
 def wait_tensor_overload() -> Any:
     """Checked on torch 2.13.0 and 2.11: the OpOverload ``_c10d_functional.wait_tensor.default``."""
     return torch.ops._c10d_functional.wait_tensor.default
+
+
+def wait_work(work: Any) -> None:
+    """Checked on torch 2.13.0: a ``c10d::*`` op returns its Work boxed (a ScriptObject);
+    ``Work.unbox`` gives the Python Work, whose ``wait()`` may be called again by its caller."""
+    from torch._C._distributed_c10d import Work  # type: ignore[attr-defined]
+
+    Work.unbox(work).wait()
