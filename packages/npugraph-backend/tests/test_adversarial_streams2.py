@@ -4,6 +4,7 @@ captures counted (CPU logical streams)."""
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Callable
 
@@ -79,3 +80,68 @@ def test_a_refused_capture_inside_a_stream_scope_leaves_the_thread_on_its_own_st
     with pytest.raises(ngr.CrossStreamWarning):
         fn(torch.randn(4))
     assert current_cpu_stream().id == 0 and scope_stack() == ()
+
+
+_lib = torch.library.Library("npugraph_ex_test_streams2", "FRAGMENT")
+_lib.define("slow(Tensor x) -> Tensor")
+_compiling = threading.Event()
+_release = threading.Event()
+
+
+def _slow_fake(x: torch.Tensor) -> torch.Tensor:
+    # runs while dynamo traces: holds this thread's compile session open until told
+    _compiling.set()
+    _release.wait(20)
+    return torch.empty_like(x)
+
+
+_lib.impl("slow", lambda x: x.clone(), "CompositeExplicitAutograd")
+torch.library.register_fake("npugraph_ex_test_streams2::slow", _slow_fake, lib=_lib)
+
+
+def two_branches(x: torch.Tensor) -> torch.Tensor:
+    made = ngr.Event("cpu")
+    made.record()
+    with ngr.stream(SIDE):
+        made.wait()
+        y = x.exp()
+        done = ngr.Event("cpu")
+        done.record()
+    z = x * 3
+    done.wait()
+    return y + z
+
+
+def test_streams_work_in_a_thread_while_another_thread_compiles(
+    counter: Callable[[str], int],
+) -> None:
+    # torch holds torch.compiler.is_compiling() True process-wide for a whole compile session:
+    # the other thread's ngr.Stream() raised "called inside a compiled function", and its
+    # captures recorded no event (a token op instead), so the race check reported a race that
+    # the events order (a device graph would lack the ordering)
+    compiled = torch.compile(two_branches, backend="npugraph_ex", fullgraph=True)
+    compiled(torch.randn(4))
+    other = torch.compile(lambda x: torch.ops.npugraph_ex_test_streams2.slow(x) + 1,
+                          backend="npugraph_ex", fullgraph=True)
+    _compiling.clear()
+    _release.clear()
+    compiler = threading.Thread(target=other, args=(torch.randn(3),))
+    compiler.start()
+    try:
+        assert _compiling.wait(20)
+        assert torch.compiler.is_compiling()  # torch's flag, seen from this thread
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ngr.CrossStreamWarning)
+            ngr.Stream("cpu")
+            kept = []
+            for _ in range(CALLS):  # outputs held: each call captures again, here
+                x = torch.randn(4)
+                got = compiled(x)
+                torch.testing.assert_close(got, two_branches(x))
+                kept.append((got, two_branches(x)))
+    finally:
+        _release.set()
+        compiler.join(30)
+    for got, want in kept:
+        torch.testing.assert_close(got, want)
+    assert counter("capture_due_to_held_outputs_") >= 2  # made while the other thread compiled
