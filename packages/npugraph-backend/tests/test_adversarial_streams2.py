@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import npugraph_runtime as ngr
 import pytest
 import torch
+from npugraph_backend import _compat
 from npugraph_runtime.devices.cpu_streams import current_cpu_stream
 from npugraph_runtime.ops import scope_stack
 
@@ -99,6 +102,23 @@ _lib.impl("slow", lambda x: x.clone(), "CompositeExplicitAutograd")
 torch.library.register_fake("npugraph_ex_test_streams2::slow", _slow_fake, lib=_lib)
 
 
+@contextmanager
+def another_thread_compiling() -> Iterator[None]:
+    """The body runs while another thread is inside a torch.compile session (dynamo tracing)."""
+    other = torch.compile(lambda x: torch.ops.npugraph_ex_test_streams2.slow(x) + 1,
+                          backend="npugraph_ex", fullgraph=True)
+    _compiling.clear()
+    _release.clear()
+    compiler = threading.Thread(target=other, args=(torch.randn(3),))
+    compiler.start()
+    try:
+        assert _compiling.wait(20)
+        yield
+    finally:
+        _release.set()
+        compiler.join(30)
+
+
 def two_branches(x: torch.Tensor) -> torch.Tensor:
     made = ngr.Event("cpu")
     made.record()
@@ -121,14 +141,7 @@ def test_streams_work_in_a_thread_while_another_thread_compiles(
     # the events order (a device graph would lack the ordering)
     compiled = torch.compile(two_branches, backend="npugraph_ex", fullgraph=True)
     compiled(torch.randn(4))
-    other = torch.compile(lambda x: torch.ops.npugraph_ex_test_streams2.slow(x) + 1,
-                          backend="npugraph_ex", fullgraph=True)
-    _compiling.clear()
-    _release.clear()
-    compiler = threading.Thread(target=other, args=(torch.randn(3),))
-    compiler.start()
-    try:
-        assert _compiling.wait(20)
+    with another_thread_compiling():
         assert torch.compiler.is_compiling()  # torch's flag, seen from this thread
         with warnings.catch_warnings():
             warnings.simplefilter("error", ngr.CrossStreamWarning)
@@ -139,9 +152,45 @@ def test_streams_work_in_a_thread_while_another_thread_compiles(
                 got = compiled(x)
                 torch.testing.assert_close(got, two_branches(x))
                 kept.append((got, two_branches(x)))
-    finally:
-        _release.set()
-        compiler.join(30)
     for got, want in kept:
         torch.testing.assert_close(got, want)
     assert counter("capture_due_to_held_outputs_") >= 2  # made while the other thread compiled
+
+
+def test_a_parameter_assigned_while_another_thread_compiles_is_seen_by_cache_compile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, counter: Callable[[str], int],
+) -> None:
+    # the same flag: the cache's count of module assignments skipped the assignment as if it
+    # were traced, and the serving path's direct plan kept the old weight on every later call
+    from npugraph_backend import npugraph_ex_backend
+    from npugraph_cache import cache_compile
+    from npugraph_cache.secret import KEY_ENV
+
+    monkeypatch.setenv(KEY_ENV, str(tmp_path / "cache.key"))
+
+    class Proj(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 4), requires_grad=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.w
+
+    model = Proj().eval()
+    served = cache_compile(model.forward, cache_dir=tmp_path / "cache", parameter_guards=False,
+                           compile_fn=lambda options, decompositions: npugraph_ex_backend)
+    for _ in range(3):  # the second call plans the direct path
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(served(x), model(x))
+    assert _compat.dynamo_counters()["npugraph_ex_cache"]["direct_plans"] == 1
+    with another_thread_compiling():
+        model.w = torch.nn.Parameter(torch.randn(4, 4), requires_grad=False)
+    kept = []
+    for _ in range(CALLS):
+        x = torch.randn(2, 4)
+        got = served(x)
+        torch.testing.assert_close(got, model(x))
+        kept.append((got, model(x)))
+    for got, want in kept:
+        torch.testing.assert_close(got, want)
+    assert counter("captured_") >= 1
