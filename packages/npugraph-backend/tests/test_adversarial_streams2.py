@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -14,6 +14,7 @@ import npugraph_runtime as ngr
 import pytest
 import torch
 from npugraph_backend import _compat
+from npugraph_runtime.core_limit import limit_core_num
 from npugraph_runtime.devices.cpu_streams import current_cpu_stream
 from npugraph_runtime.ops import scope_stack
 
@@ -44,6 +45,23 @@ def racy(x: torch.Tensor) -> torch.Tensor:
     return z
 
 
+def _calls_equal_eager(compiled: Callable[..., torch.Tensor], fn: Callable[..., torch.Tensor],
+                       cache: torch.Tensor, ref_cache: torch.Tensor, positions: Iterable[int]) -> None:
+    """One call per position with a fresh input, each equal to eager (the result and the cache),
+    on the thread's own stream; the results are kept and checked again at the end."""
+    kept = []
+    for i in positions:
+        x, pos = torch.randn(1, 3), torch.tensor([i])
+        got = compiled(x, pos, cache)
+        want = fn(x, pos, ref_cache)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(cache, ref_cache)
+        kept.append((got, want))
+        assert current_cpu_stream().id == 0
+    for got, want in kept:
+        torch.testing.assert_close(got, want)
+
+
 @pytest.mark.parametrize("options", [{}, {"force_eager": True}], ids=["captured", "force_eager"])
 def test_an_error_inside_a_stream_scope_leaves_the_thread_on_its_own_stream(
     options: dict[str, object], counter: Callable[[str], int],
@@ -56,21 +74,35 @@ def test_an_error_inside_a_stream_scope_leaves_the_thread_on_its_own_stream(
     with pytest.raises(IndexError, match="out of bounds"):
         compiled(torch.ones(1, 3), torch.tensor([9]), cache)
     assert current_cpu_stream().id == 0 and scope_stack() == ()
-    kept = []
-    for i in range(CALLS):
-        x, pos = torch.randn(1, 3), torch.tensor([i])
-        got = compiled(x, pos, cache)
-        want = kv_write_on_a_side_stream(x, pos, ref_cache)
-        torch.testing.assert_close(got, want)
-        torch.testing.assert_close(cache, ref_cache)
-        kept.append((got, want))
-        assert current_cpu_stream().id == 0
-    for got, want in kept:
-        torch.testing.assert_close(got, want)
+    _calls_equal_eager(compiled, kv_write_on_a_side_stream, cache, ref_cache, range(CALLS))
     if not options:
         assert counter("captured_") >= 1
     with pytest.warns(ngr.CrossStreamWarning, match="no event between them"):
         torch.compile(racy, backend="npugraph_ex", fullgraph=True)(torch.randn(4))
+
+
+def limited_kv_write(x: torch.Tensor, pos: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    with limit_core_num(1, 0):
+        return kv_write_on_a_side_stream(x, pos, cache)
+
+
+def test_a_replay_that_raises_inside_a_scope_exits_the_scopes_it_entered(
+    counter: Callable[[str], int],
+) -> None:
+    # a CPU replay runs the scope ops again: one that raised between them left the thread on the
+    # side stream and under the core limit (1 thread) for good
+    compiled = torch.compile(limited_kv_write, backend="npugraph_ex", fullgraph=True)
+    cache, ref_cache = torch.zeros(8, 3), torch.zeros(8, 3)
+    threads = torch.get_num_threads()
+    for i in range(3):  # nothing held: each call after the first replays
+        _calls_equal_eager(compiled, limited_kv_write, cache, ref_cache, [i])
+    assert counter("captured_") == 1
+    with pytest.raises(IndexError, match="out of bounds"):
+        compiled(torch.ones(1, 3), torch.tensor([9]), cache)  # a replay: it reads pos there
+    assert counter("captured_") == 1
+    assert current_cpu_stream().id == 0 and scope_stack() == ()
+    assert torch.get_num_threads() == threads
+    _calls_equal_eager(compiled, limited_kv_write, cache, ref_cache, range(CALLS))
 
 
 def test_a_refused_capture_inside_a_stream_scope_leaves_the_thread_on_its_own_stream() -> None:

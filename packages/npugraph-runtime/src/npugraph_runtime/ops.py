@@ -142,11 +142,21 @@ def restoring_scopes(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args)
         except BaseException:
-            while len(_stack.scopes) > depth:
-                _scope_exit()
+            exit_scopes(depth)
             raise
 
     return run
+
+
+def scope_depth() -> int:
+    """How many scopes this thread has entered and not exited."""
+    return len(_stack.scopes)
+
+
+def exit_scopes(depth: int) -> None:
+    """Exit this thread's innermost scopes until ``depth`` are left (after an error inside them)."""
+    while len(_stack.scopes) > depth:
+        _scope_exit()
 
 
 def _record() -> torch.Tensor:
