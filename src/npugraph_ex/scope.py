@@ -23,6 +23,7 @@ import torch
 from npugraph_runtime.core_limit import limit_core_num
 from npugraph_runtime.errors import NpugraphError
 from npugraph_runtime.ops import USER_STREAM_LABEL
+from npugraph_runtime.streams import compiling
 
 __all__ = ["limit_core_num", "record", "stream", "wait"]
 
@@ -36,7 +37,7 @@ def stream(tag: str | None, device: torch.device | str | None = None) -> Iterato
         return
     if not isinstance(tag, str) or not tag:
         raise NpugraphError(f"stream tag {tag!r} is not allowed: give a non-empty str")
-    if torch.compiler.is_compiling():
+    if compiling():
         torch.ops.npugraph_ex.scope_enter([USER_STREAM_LABEL], [tag])
         try:
             yield

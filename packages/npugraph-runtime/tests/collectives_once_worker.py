@@ -48,10 +48,13 @@ def _fn(strided: bool = False) -> tuple[Callable[..., torch.Tensor], torch.Tenso
     return fn_counting, steps
 
 
+FnMaker = Callable[[bool], tuple[Callable[..., torch.Tensor], torch.Tensor]]
+
+
 def _scenario(rank: int, ns: Callable[[int], int], keep: bool, strided: bool = False,
-              functional: bool = False, **policy: Any) -> dict[str, Any]:
-    fn, steps = _fn(strided)
-    ref, ref_steps = _fn(strided)
+              functional: bool = False, make: FnMaker = _fn, **policy: Any) -> dict[str, Any]:
+    fn, steps = make(strided)
+    ref, ref_steps = make(strided)
     gen = torch.Generator().manual_seed(rank)
 
     def fresh() -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,6 +71,7 @@ def _scenario(rank: int, ns: Callable[[int], int], keep: bool, strided: bool = F
                                              name=f"once_{rank}", **policy)
     bad: list[int] = []
     counts: list[int] = []
+    eager_counts: list[int] = []
     kept: list[tuple[torch.Tensor, torch.Tensor]] = []
     for i in range(CALLS):
         x, c = fresh()
@@ -76,7 +80,9 @@ def _scenario(rank: int, ns: Callable[[int], int], keep: bool, strided: bool = F
         before = _issued()
         got = compiled(x, cache, ns(i))
         counts.append(_issued() - before)
+        before = _issued()
         want = ref(x.clone(), ref_cache, ns(i))
+        eager_counts.append(_issued() - before)
         if not (torch.equal(got, want) and torch.equal(cache, ref_cache)
                 and torch.equal(steps, ref_steps)):
             bad.append(i)
@@ -84,15 +90,13 @@ def _scenario(rank: int, ns: Callable[[int], int], keep: bool, strided: bool = F
             kept.append((got, want))
         del got
     stale = [i for i, (got, want) in enumerate(kept) if not torch.equal(got, want)]
-    return {"bad": bad, "stale": stale, "counts": counts, "captures": compiled.num_captures,
-            "events": [e.reason for e in compiled.events]}
+    return {"bad": bad, "stale": stale, "counts": counts, "eager_counts": eager_counts,
+            "captures": compiled.num_captures, "events": [e.reason for e in compiled.events]}
 
 
 def main() -> None:
     rank, port, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=datetime.timedelta(seconds=20))
+    init(rank, port)
     same = lambda i: 1  # noqa: E731
     # rank 0 takes a new key (n) on every call, rank 1 replays its one key
     new_keys = (lambda i: i + 1) if rank == 0 else same
@@ -113,14 +117,26 @@ def main() -> None:
                                                    functional=True),
     }
     chosen = sys.argv[4].split(",") if len(sys.argv) > 4 else list(runs)
+    run_scenarios({name: runs[name] for name in chosen}, out)
+
+
+def init(rank: int, port: int) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=datetime.timedelta(seconds=20))
+
+
+def run_scenarios(runs: dict[str, Callable[[], dict[str, Any]]], out: str) -> None:
+    """Runs each scenario in order, writes their results to ``out`` as JSON, and leaves the
+    process group. A scenario that raised is recorded as a crash and ends the run (the ranks are
+    out of step: the next scenario would hang)."""
     results: dict[str, Any] = {}
-    for name in chosen:
-        run = runs[name]
+    for name, run in runs.items():
         try:
             results[name] = run()
         except Exception:  # the test fails with it
             results[name] = {"crash": traceback.format_exc()[-1500:]}
-            break  # the ranks are out of step: the next scenario would hang
+            break
     with open(out, "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()

@@ -89,6 +89,18 @@ def _dump_original(config: CompilerConfig) -> bool:
     return config.dump_tensor_data and config.data_dump_stage == "original"
 
 
+def _enters_scopes(gm: Any) -> bool:
+    """The graph calls ``npugraph_ex.scope_enter``. A loaded graph (saved_forward.LoadedGraph) is
+    asked through its code object, so that its FX graph is not unpickled for it."""
+    if isinstance(gm, torch.fx.GraphModule):
+        return any(node.target is _SCOPE_ENTER for node in gm.graph.nodes)
+    code = getattr(gm.forward, "__code__", None)
+    return code is None or "scope_enter" in code.co_names
+
+
+_SCOPE_ENTER = torch.ops.npugraph_ex.scope_enter.default
+
+
 class CompiledGraph:
     """A compiled AOT forward: boxed callable (``compiled(list_of_args)``) as AOT expects.
 
@@ -147,13 +159,16 @@ class CompiledGraph:
             self.runner = None
             self._fn = data_dump.original_runner(self.gm, self.config)
             return
+        forward = self.gm.forward
+        if _enters_scopes(self.gm):
+            forward = npugraph_runtime.ops.restoring_scopes(forward)
         if self.eager_reason is not None:
             self.runner = None
-            fn: Callable[..., Any] = self.gm.forward
+            fn: Callable[..., Any] = forward
         else:
             policy = self.policy()
             self.runner = npugraph_runtime.GraphedCallable(
-                self.gm.forward, self.inputs, policy, device=self.device, output_spec=self.outputs,
+                forward, self.inputs, policy, device=self.device, output_spec=self.outputs,
                 functional=True,
             )
             fn = self.runner

@@ -593,3 +593,13 @@ def _closure(fn: Any, name: str, file: str) -> dict[str, Any] | None:
     if code is None or code.co_name != name or not code.co_filename.endswith(file):
         return None
     return {k: c.cell_contents for k, c in zip(code.co_freevars, fn.__closure__ or (), strict=True)}
+
+
+def traced_here() -> bool:
+    """Checked on torch 2.13.0 and 2.11: the calling code is traced by a compile running in this
+    thread. torch sets ``torch.compiler.is_compiling()``'s flag for the whole process during a
+    compile session, so it alone is True in other threads too; dynamo folds
+    ``is_dynamo_compiling()`` to True in what it traces, and the rest of the session (AOT, the
+    backend) runs under a per-thread ``CompileContext``."""
+    return torch.compiler.is_dynamo_compiling() or (
+        torch.compiler.is_compiling() and torch._guards.CompileContext.try_get() is not None)

@@ -32,8 +32,10 @@ _installed = False
 def _bump(*_: object) -> None:
     # Code that dynamo traces may build modules (ModuleList slicing, as transformers' models
     # do): traced, this count would be a side effect and a guard, recompiling every call.
-    # Inside a compiled region nothing is assigned at run time, so it counts nothing there.
-    if torch.compiler.is_compiling():
+    # Inside a compiled region nothing is assigned at run time, so it counts nothing there. Only
+    # this thread's compile: an assignment in another thread meanwhile is counted (it was not,
+    # and that thread's direct plan kept the old parameter for good)
+    if _compat.traced_here():
         return
     _count[0] += 1
 

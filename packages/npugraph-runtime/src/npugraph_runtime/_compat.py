@@ -267,3 +267,23 @@ def resolve_async_collectives(
 def wait_tensor_overload() -> Any:
     """Checked on torch 2.13.0 and 2.11: the OpOverload ``_c10d_functional.wait_tensor.default``."""
     return torch.ops._c10d_functional.wait_tensor.default
+
+
+def wait_work(work: Any) -> None:
+    """Checked on torch 2.13.0: a ``c10d::*`` op returns its Work boxed (a ScriptObject);
+    ``Work.unbox`` gives the Python Work, whose ``wait()`` may be called again by its caller."""
+    from torch._C._distributed_c10d import Work  # type: ignore[attr-defined]
+
+    Work.unbox(work).wait()
+
+
+def compiling() -> bool:
+    """Checked on torch 2.13.0 and 2.11: this thread is tracing the code that calls it for
+    torch.compile (or export). ``torch.compiler.is_compiling()`` alone reads a process-wide flag
+    that torch holds for a whole compile session, so while one thread compiles it is True in
+    every other thread too. ``is_dynamo_compiling()`` is folded to True by dynamo's trace (False
+    when run); the rest of a compile session (AOT, the backend) holds ``CompileContext``, which is
+    per thread."""
+    if torch.compiler.is_dynamo_compiling():
+        return True
+    return torch.compiler.is_compiling() and torch._guards.CompileContext.try_get() is not None

@@ -16,7 +16,7 @@ from npugraph_runtime import _compat
 from npugraph_runtime.core_limit import capture_core_limit
 from npugraph_runtime.devices.base import DeviceGraph, PoolHandle
 from npugraph_runtime.devices.cpu import CpuGraph
-from npugraph_runtime.devices.no_launch import UndoneRun
+from npugraph_runtime.devices.no_launch import Launched, UndoneRun
 from npugraph_runtime.errors import CaptureError, PolicyError
 from npugraph_runtime.graphs import Graph, graph
 from npugraph_runtime.inputs import WriteWatch, mirror, non_overlapping, storage_ptr
@@ -215,15 +215,20 @@ def record(
     ``mirrored``: the inputs an earlier capture of the same fn found read through as_strided,
     mirrored from the start: a capture made again runs fn twice, and a later capture (held
     outputs, a new address) may be made on one rank only. The run to be made again launches
-    no collective from its first such read on (only one issued before it is launched twice).
+    no collective from its first such read on; those it launched before it are not launched
+    again: the new run takes what they left (no_launch.Launched), so a call issues each once.
 
     ``adoptable`` (clone_input=False): the storages a user tensor may be adopted from as its
     buffer; None: any (see _buffers)."""
+    relaunch: list[Launched] = []
     while True:
         g, out, cap_args, buffers, raw_reads = _record_once(
-            fn, name, spec, policy, slots, args, mirrored, device, pool, as_call, adoptable)
+            fn, name, spec, policy, slots, args, mirrored, device, pool, as_call, adoptable,
+            relaunch)
         if raw_reads <= mirrored:
             break
+        if isinstance(g, CpuGraph):
+            relaunch = g.launched()
         _undo(g)
         g.reset()
         mirrored |= raw_reads
@@ -260,7 +265,7 @@ def _stop_launching_if_unmirrored(g: CpuGraph, mirrored: frozenset[int]) -> Call
 def _record_once(
     fn: Callable[..., object], name: str, spec: InputSpec, policy: CapturePolicy, slots: Slots,
     args: Args, mirrored: frozenset[int], device: torch.device, pool: PoolHandle | None,
-    as_call: bool, adoptable: frozenset[int] | None,
+    as_call: bool, adoptable: frozenset[int] | None, relaunch: list[Launched],
 ) -> tuple[DeviceGraph, object, list[object], list[torch.Tensor], frozenset[int]]:
     cap_args, buffers = _buffers(name, policy, slots, args, mirrored, adoptable)
     # statics and user buffers must not be written: replays would not write the caller's
@@ -277,6 +282,8 @@ def _record_once(
         # or the replay after this) issues each one once. Nor does a run from the moment it
         # reads an unmirrored input through as_strided: it is made again, mirrored (record)
         g.keep_writes = g.launch_collectives = as_call
+        g.keep_launched = as_call and not set(slots.user) <= mirrored
+        g.relaunch = relaunch
         again = _stop_launching_if_unmirrored(g, mirrored)
     watch = WriteWatch({p: i for p, i in watched.items() if p and p not in mutated},
                        {p: i for p, i in users.items() if p}, again)

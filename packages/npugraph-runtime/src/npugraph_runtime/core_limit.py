@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from npugraph_runtime import _compat
 from npugraph_runtime.devices.core_units import green_context_class, npu_limit_api
 from npugraph_runtime.errors import DeviceError, PolicyError
 from npugraph_runtime.scope_keys import AICORE_KEY, VECTORCORE_KEY
@@ -165,7 +166,7 @@ class limit_core_num:
         self._restores: list[Any] = []  # a list, so one object can be entered reentrantly
 
     def __enter__(self) -> None:
-        if torch.compiler.is_compiling():
+        if _compat.compiling():
             torch.ops.npugraph_ex.scope_enter(
                 [AICORE_KEY, VECTORCORE_KEY],
                 [str(self.op_aicore_num), str(self.op_vectorcore_num)],
@@ -187,7 +188,7 @@ class limit_core_num:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if torch.compiler.is_compiling():
+        if _compat.compiling():
             torch.ops.npugraph_ex.scope_exit()
             return
         _limits.stack.pop()

@@ -29,7 +29,7 @@ definition is kept and ours is not registered."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -129,6 +129,34 @@ def _scope_exit() -> None:
     _stack.scopes.pop()
     for undo in reversed(_stack.undo.pop()):
         undo()
+
+
+def restoring_scopes(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (a graph holding scope ops), leaving this thread's scopes as it found them when it
+    raises between a ``scope_enter`` and its ``scope_exit``: the scopes it entered are exited, so
+    their stream stops being current, as a ``with`` block of eager code would do. Otherwise every
+    later op of the thread (other graphs, eager code) stays on that side stream."""
+
+    def run(*args: Any) -> Any:
+        depth = len(_stack.scopes)
+        try:
+            return fn(*args)
+        except BaseException:
+            exit_scopes(depth)
+            raise
+
+    return run
+
+
+def scope_depth() -> int:
+    """How many scopes this thread has entered and not exited."""
+    return len(_stack.scopes)
+
+
+def exit_scopes(depth: int) -> None:
+    """Exit this thread's innermost scopes until ``depth`` are left (after an error inside them)."""
+    while len(_stack.scopes) > depth:
+        _scope_exit()
 
 
 def _record() -> torch.Tensor:

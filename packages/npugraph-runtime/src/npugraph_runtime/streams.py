@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from npugraph_runtime import _compat
 from npugraph_runtime.devices import backend_for, device_of
 from npugraph_runtime.errors import NpugraphError
 from npugraph_runtime.scope_keys import USER_STREAM_LABEL
@@ -36,7 +37,7 @@ class Stream:
     """A stream of ``device`` (None: the current accelerator, else the CPU)."""
 
     def __init__(self, device: torch.device | str | None = None, *, _impl: Any = None) -> None:
-        if torch.compiler.is_compiling():
+        if _compat.compiling():
             raise NpugraphError(
                 "npugraph_runtime.Stream() was called inside a compiled function: create the "
                 "stream outside it and use it there with npugraph_runtime.stream(s)"
@@ -69,7 +70,7 @@ class Stream:
         event.wait(self)
 
     def wait_stream(self, other: Stream) -> None:
-        if torch.compiler.is_compiling():
+        if _compat.compiling():
             event = Event(self.device)
             event.record(other)
             event.wait(self)
@@ -88,7 +89,7 @@ class Event:
     def __init__(self, device: torch.device | str | None = None) -> None:
         # the graph's token of the last record() traced in compiled code (None: none yet)
         self.token: torch.Tensor | None = None
-        if torch.compiler.is_compiling():
+        if _compat.compiling():
             # lowered to an event of the graph: no device event, no lookups dynamo would guard
             self.device = torch.device("cpu") if device is None else torch.device(device)
             self.impl: Any = None
@@ -97,7 +98,7 @@ class Event:
         self.impl = backend_for(self.device).new_event(self.device)
 
     def record(self, stream: Stream | Any = None) -> None:
-        if torch.compiler.is_compiling():
+        if _compat.compiling():
             with _scope_of(stream):
                 self.token = torch.ops.npugraph_ex.record()
             return
@@ -108,7 +109,7 @@ class Event:
             self.impl.record(raw)
 
     def wait(self, stream: Stream | Any = None) -> None:
-        if torch.compiler.is_compiling():
+        if _compat.compiling():
             if self.token is not None:  # else recorded before this graph ran: nothing to order
                 with _scope_of(stream):
                     torch.ops.npugraph_ex.wait([self.token])
@@ -126,6 +127,13 @@ class Event:
         return bool(self.impl.query())
 
 
+def compiling() -> bool:
+    """This thread is tracing the calling code for torch.compile: stream code then leaves graph
+    ops. Not ``torch.compiler.is_compiling()`` alone, which is True in every thread while any
+    one of them compiles (see ``_compat.compiling``)."""
+    return _compat.compiling()
+
+
 def stream_by_label(label: str) -> Stream | None:
     """The live ``Stream`` whose ``label`` is ``label``, or None."""
     return _BY_LABEL.get(label)
@@ -139,7 +147,7 @@ def stream_impl(stream: Stream | Any) -> Any:
 def current_stream(device: torch.device | str | None = None) -> Stream:
     """The current stream of ``device``. In compiled code: the stream current where it is used
     (it leaves no scope)."""
-    if torch.compiler.is_compiling():
+    if _compat.compiling():
         return _AMBIENT
     dev = device_of(device)
     return Stream(_impl=backend_for(dev).current_stream(dev))
@@ -151,7 +159,7 @@ def stream(s: Stream | Any) -> Iterator[None]:
     if s is None:
         yield
         return
-    if torch.compiler.is_compiling():
+    if _compat.compiling():
         with _scope_of(s):
             yield
         return

@@ -50,6 +50,7 @@ from npugraph_runtime.devices.cpu_streams import (
     set_cpu_stream,
     set_event_hooks,
 )
+from npugraph_runtime.devices.no_launch import Launched
 from npugraph_runtime.errors import CaptureError, DeviceError, PolicyError
 
 _CPU = torch.device("cpu")
@@ -83,6 +84,11 @@ class CpuGraph:
         # the capture's run launches the collectives it records; when unset they are recorded
         # only and stand in for themselves locally, as an accelerator's capture launches nothing
         self.launch_collectives = True
+        # the capture may be made again in the same call: keep what its launched collectives left
+        # (``launched()``), for the next capture to take instead of launching them (``relaunch``)
+        self.keep_launched = False
+        self.relaunch: list[Launched] = []
+        self._launched: list[Launched] = []
         self._kept: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
 
     # --- capture -------------------------------------------------------------------------------
@@ -119,6 +125,8 @@ class CpuGraph:
         self._pool = cpu_pool(self._handle)
         recorder = Recorder(capture_error_mode)
         recorder.launch = self.launch_collectives
+        recorder.launched = [] if self.keep_launched else None
+        recorder.relaunch.extend(self.relaunch)
         recorder.__enter__()  # type: ignore[no-untyped-call]
         recorder.host_reads.__enter__()  # type: ignore[no-untyped-call]
         self._recorder = recorder
@@ -152,6 +160,7 @@ class CpuGraph:
 
     def capture_end(self) -> None:
         recorder = self._stop_recording()
+        self._launched = recorder.launched or []
         if self.keep_writes and recorder.error is None:
             self._kept = recorder.take_snapshots()
         else:
@@ -179,6 +188,10 @@ class CpuGraph:
         (its run is to be discarded and made again)."""
         if self._recorder is not None:
             self._recorder.launch = False
+
+    def launched(self) -> list[Launched]:
+        """What the last capture's launched collectives left (``keep_launched``), in their order."""
+        return self._launched
 
     def written(self) -> list[torch.UntypedStorage]:
         """The storages that existed before the last capture and that its kept run wrote."""

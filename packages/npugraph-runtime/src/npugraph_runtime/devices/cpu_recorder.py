@@ -7,6 +7,7 @@ recorded nor refused (a CUDA capture in "global" mode would refuse some of them)
 from __future__ import annotations
 
 import warnings
+from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cache
@@ -37,7 +38,7 @@ from npugraph_runtime.devices.cpu_streams import (
     is_event_marker,
     replays_marker,
 )
-from npugraph_runtime.devices.no_launch import launches, stand_in
+from npugraph_runtime.devices.no_launch import Launched, launched, launches, relaunched, stand_in
 from npugraph_runtime.errors import CaptureError, CrossStreamWarning, DeviceError, NpugraphError
 
 _CPU = torch.device("cpu")
@@ -262,6 +263,10 @@ class HostReads(TorchFunctionMode):
                     what = f"{_CONSTRUCTORS[func]}() of a list holding tensors"
             if what is not None:
                 if recorder.mode == "relaxed":
+                    if recorder.local and recorder.reads_local(_tensor_list(args, kwargs)):
+                        error = recorder.local_read(what)
+                        recorder.fail(error)
+                        raise error
                     recorder.frozen.append(what)
                 else:
                     error = CaptureError(
@@ -303,6 +308,13 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
         self.in_flight = InFlight()
         # launch collectives while recording (the run is the caller's call), or only record them
         self.launch = True
+        # what each collective launched left, kept when the run may be made again (None: not
+        # kept), and what an earlier run's launches left, handed out in order instead of launching
+        self.launched: list[Launched] | None = None
+        self.relaunch: deque[Launched] = deque()
+        # storages holding values made from a collective that stood in for itself: this rank's
+        # own, not the collective's, so relaxed mode must not freeze a host read of them
+        self.local: set[int] = set()
 
     # --- bookkeeping ---------------------------------------------------------------------------
     def _ref(self, t: torch.Tensor, index: int, produced: bool = False) -> int:
@@ -354,6 +366,20 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
         st = t.untyped_storage()
         if id(st) not in self._snapshots:
             self._snapshots[id(st)] = (st, st.clone())  # type: ignore[no-untyped-call]
+
+    def reads_local(self, tensors: list[torch.Tensor]) -> bool:
+        """Some of ``tensors`` hold values made from a collective that stood in for itself."""
+        return any(self._storage_of(t) in self.local for t in tensors)
+
+    def local_read(self, what: str) -> CaptureError:
+        return CaptureError(
+            f"{what} reads on the host a value made from a collective that this capture records "
+            "without launching it (the capture's run is not the call's: warmup=0, "
+            "force_recapture, or a hand-written fn's capture after its warm-up), so the value "
+            "is this rank's own, not the collective's result, and capture_error_mode='relaxed' "
+            "would make every replay repeat it. Move the host read out of the captured region "
+            "(pass the value in as an argument), or compute with the tensor instead of reading it"
+        )
 
     def clear_index(self) -> None:
         """Forget the id-based lookups (they keep no tensor alive, but ids are reused later)."""
@@ -536,13 +562,15 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
         name = str(func)
         info = _op_info(func)
         reason = self._unsafe_reason(info, func, args, kwargs)
+        inputs = _tensor_list(args, kwargs)
+        if reason is not None and self.mode == "relaxed" and self.local and self.reads_local(inputs):
+            raise self.local_read(name)
         if reason is not None and self.mode != "relaxed":
             raise CaptureError(
                 f"{name} cannot be captured: it {reason}. Move it out of the captured region, or "
                 f"capture with capture_error_mode='relaxed' to let replays repeat the value it "
                 f"produced during capture (mode is {self.mode!r})"
             )
-        inputs = _tensor_list(args, kwargs)
         if reason is None:
             for t in inputs:
                 if t.device != _CPU:
@@ -565,10 +593,19 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
                 self_storage = args[0].untyped_storage()
                 if all(t.untyped_storage() is not self_storage for t in inputs[1:]):
                     before = _exact_copy(args[0])
-        if self.launch or not launches(func):
+        stood_in = False
+        if not launches(func):
             result = func(*args, **kwargs)
-        else:  # recorded, launched by the replays only (see no_launch)
+        elif not self.launch:  # recorded, launched by the replays only (see no_launch)
             result = stand_in(func, args, kwargs)
+            stood_in = True
+        else:
+            if self.relaunch:  # an earlier run of this call launched it already
+                result = relaunched(self.relaunch.popleft(), func, args, kwargs, written)
+            else:
+                result = func(*args, **kwargs)
+            if self.launched is not None:
+                self.launched.append(launched(func, result, written))
         leaves: list[tuple[tuple[int, ...], torch.Tensor]] = (
             [((), result)] if isinstance(result, torch.Tensor)
             else [(p, v) for p, v in _leaves(result) if isinstance(v, torch.Tensor)]
@@ -591,6 +628,9 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
         in_storages = {self._storage_of(t) for t in inputs}
         known_before = len(self.storages)
         outs = tuple((p, TRef(self._ref(t, index, produced=True))) for p, t in leaves)
+        if stood_in or (self.local and not self.local.isdisjoint(in_storages)):
+            self.local.update(self.tensors[r.i].storage for _, r in outs)
+            self.local.update(s for s in map(self._storage_of, written) if s is not None)
         fresh = tuple(
             (p, r) for p, r in outs if self.tensors[r.i].storage >= known_before
         )

@@ -21,6 +21,7 @@ from npugraph_runtime import _compat
 from npugraph_runtime.devices.cpu_collectives import Emitter, work_path
 from npugraph_runtime.devices.cpu_kernels import Kind, cheapest, public_binding
 from npugraph_runtime.devices.cpu_recorder import Step, TensorEntry, TRef
+from npugraph_runtime.devices.cpu_streams import replays_marker
 from npugraph_runtime.spans import bytes_overlap
 
 
@@ -351,8 +352,21 @@ def generate(
     # inference mode: no autograd work, and the graph may write tensors captured in inference mode
     names.values["inference_mode"] = _compat.inference_mode_guard()
     params = ", ".join(f"{n}={n}" for n in names.values)
-    body = "\n".join(f"        {line}" for line in lines) or "        pass"
-    source = f"def replay({params}):\n    with inference_mode(True):\n{body}\n"
+    if any(replays_marker(step.func) for step in steps):
+        # a replay that raises inside a stream or core-limit scope exits the scopes it entered,
+        # as eager code's with block would (else the thread stays on that stream, or limit)
+        from npugraph_runtime import ops
+
+        names.values["scope_depth"] = ops.scope_depth
+        names.values["exit_scopes"] = ops.exit_scopes
+        params = ", ".join(f"{n}={n}" for n in names.values)
+        body = "\n".join(f"            {line}" for line in lines) or "            pass"
+        source = (f"def replay({params}):\n    depth = scope_depth()\n    try:\n"
+                  f"        with inference_mode(True):\n{body}\n"
+                  f"    except BaseException:\n        exit_scopes(depth)\n        raise\n")
+    else:
+        body = "\n".join(f"        {line}" for line in lines) or "        pass"
+        source = f"def replay({params}):\n    with inference_mode(True):\n{body}\n"
     namespace: dict[str, Any] = dict(names.values)
     exec(compile(source, "<npugraph cpu replay>", "exec"), namespace)
     fn: Callable[[], None] = namespace["replay"]

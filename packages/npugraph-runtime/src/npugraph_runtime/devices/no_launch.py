@@ -21,13 +21,14 @@ import torch
 
 from npugraph_runtime import _compat
 from npugraph_runtime._compat import TorchDispatchMode
+from npugraph_runtime.errors import CaptureError
 from npugraph_runtime.schema import write_positions
 
 _NAMESPACES = frozenset({"c10d", "_c10d_functional"})
 # the ops of those namespaces that talk to no other rank (checked on torch 2.13.0)
 _LOCAL = frozenset({"wait_tensor", "_wrap_tensor_autograd", "check_for_nan"})
 
-__all__ = ["NoLaunch", "UndoneRun", "launches", "stand_in"]
+__all__ = ["Launched", "NoLaunch", "UndoneRun", "launched", "launches", "relaunched", "stand_in"]
 
 
 def launches(func: Any) -> bool:
@@ -56,6 +57,54 @@ def stand_in(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 fresh = [fresh] if len(schema.returns) == 1 else list(fresh)
             out.append(_local(fresh[i], _tensors(values)))
     return out[0] if len(out) == 1 else tuple(out)
+
+
+class Launched:
+    """What one launched collective left: its op and a copy of every tensor it wrote or returned,
+    taken once it completed. A CPU capture made again (mirrored, see capture.record) hands them
+    to the collectives its new run issues in the same order, so that a rank issues each of them
+    once in the call: the new run computes the same values (the same fn on the same inputs)."""
+
+    __slots__ = ("func", "values")
+
+    def __init__(self, func: Any, values: list[torch.Tensor]) -> None:
+        self.func = func
+        self.values = values
+
+
+def launched(func: Any, result: Any, written: list[torch.Tensor]) -> Launched:
+    """``func`` was launched and returned ``result``: wait for it (in this run only: its caller's
+    own wait then finds it done) and keep what it left."""
+    for v in _leaves(result):
+        if isinstance(v, torch.ScriptObject):
+            _compat.wait_work(v)
+    targets = [t for t in _leaves(result) if isinstance(t, torch.Tensor)] + written
+    if func.namespace == "_c10d_functional":
+        wait = _compat.wait_tensor_overload()
+        for t in targets:
+            wait(t)
+    return Launched(func, [t.clone() for t in targets])
+
+
+def relaunched(entry: Launched, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+               written: list[torch.Tensor]) -> Any:
+    """What ``func`` returns, made of what its earlier launch ``entry`` left, without launching."""
+    if entry.func is not func:
+        raise CaptureError(
+            f"a capture made again (to mirror an input read through as_strided) issued {func} "
+            f"where its first run issued {entry.func}: fn must issue the same collectives on the "
+            "same inputs every time it runs")
+    result = stand_in(func, args, kwargs)
+    targets = [t for t in _leaves(result) if isinstance(t, torch.Tensor)] + written
+    for t, v in zip(targets, entry.values, strict=True):
+        t.copy_(v)
+    return result
+
+
+def _leaves(value: Any) -> list[Any]:
+    if isinstance(value, list | tuple):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [value]
 
 
 _NONE: Any = object()
