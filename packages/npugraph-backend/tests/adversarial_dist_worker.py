@@ -78,7 +78,7 @@ def _scenario(rank: int, fn: Callable[..., torch.Tensor], make: Callable[[int], 
             "forced": sum(v for k, v in counters.items()
                           if k.startswith("recapture_due_to_force_recapture")),
             "new_keys": sum(v for k, v in counters.items() if k.startswith("capture_due_to_new_key")),
-            "copied": sum(v for k, v in counters.items() if k.startswith("copied_mutated_inputs")),
+            "copied": sum(v for k, v in counters.items() if k.startswith("copied_inputs")),
             "eager": sum(v for k, v in counters.items() if k.startswith(("eager_", "eager_fallback")))}
 
 

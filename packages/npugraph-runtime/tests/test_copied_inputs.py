@@ -25,7 +25,7 @@ def _captures(fn: object) -> int:
 
 
 def _copied(name: str) -> int:
-    return counters["npugraph_ex"][f"copied_mutated_inputs_{name}"]
+    return counters["npugraph_ex"][f"copied_inputs_{name}"]
 
 
 def _same(got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> None:

@@ -57,6 +57,16 @@ class Slots:
                           else sorted({*self.static[:1], *self.static[-1:]}))
         self.watched = sorted(self.mutated + checked_static)
 
+    def watch_buffers(self, args: Args) -> None:
+        """Unchecked static addresses (frozen_parameter) are a promise about parameters, not
+        buffers: a forward may re-bind a buffer on every call (``self.steps = self.steps + 1``,
+        a running average), and a replay over the old one is wrong from the second call. So
+        every static input that is not an ``nn.Parameter`` is checked too (one address each)."""
+        extra = [i for i in self.static if i not in self.watched
+                 and not isinstance(args[i], torch.nn.Parameter)]
+        if extra:
+            self.watched = sorted(self.watched + extra)
+
 
 class Capture:
     """One captured graph and what its replay closure needs kept alive."""

@@ -1,5 +1,5 @@
-"""Mutated inputs that come at a new address on every call, served through buffers of a graph
-key's own.
+"""Inputs that come at a new address on every call, served through buffers of a graph key's
+own.
 
 A key's mutated inputs select its capture by address: a request's KV cache keeps its capture
 for as long as the request runs. A tensor that is new on every call would make every call a
@@ -11,7 +11,9 @@ caller's tensors are copied into the key's buffers, the graph runs on the buffer
 it replays), and after it the buffers are copied back into the caller's tensors, which the call
 hands out wherever the graph returns a buffer or a view of one, as eager returns the caller's
 tensor. A request's cache that lives for several calls is replayed before it is dropped, so it
-is never copied (the copies would cost two passes over it a call).
+is never copied (the copies would cost two passes over it a call). A static input that is new on
+every call (a buffer the forward re-binds, ``self.steps = self.steps + 1``: its old tensor is
+dropped, and the capture for it released unreplayed) is copied in the same way, but not back.
 
 Only tensors that are the whole of their storage (offset 0, dense) are copied, and a call must
 pass such tensors with the captured strides: a graph reading its input through ``as_strided``
@@ -43,12 +45,14 @@ def _whole(t: object) -> bool:
 
 
 class CopiedInputs:
-    """The buffers of one graph key's copied mutated inputs, and ``inner``: the replay closure of
-    the key's capture over them (None until one is made)."""
+    """The buffers of one graph key's copied inputs, and ``inner``: the replay closure of the
+    key's capture over them (None until one is made). ``written``: the positions among them of
+    the mutated inputs, copied back after each replay (a static input is only read)."""
 
-    __slots__ = ("buffers", "by_storage", "inner", "layouts", "slots")
+    __slots__ = ("buffers", "by_storage", "inner", "layouts", "slots", "written",
+                 "written_buffers")
 
-    def __init__(self, slots: Sequence[int], args: Args) -> None:
+    def __init__(self, slots: Sequence[int], args: Args, mutated: Sequence[int] = ()) -> None:
         self.slots = list(slots)
         self.buffers: list[torch.Tensor] = []
         for i in self.slots:
@@ -57,6 +61,8 @@ class CopiedInputs:
                                                     device=t.device))
         self.layouts = [(b.stride(), b.dtype, b.untyped_storage().nbytes()) for b in self.buffers]
         self.by_storage = {storage_ptr(b): k for k, b in enumerate(self.buffers)}
+        self.written = [k for k, i in enumerate(self.slots) if i in mutated]
+        self.written_buffers = [self.buffers[k] for k in self.written]
         self.inner: Callable[[Args], object] | None = None
 
     @staticmethod

@@ -69,8 +69,8 @@ class CounterNames:
         self.grad_eager = f"eager_call_due_to_{REQUIRES_GRAD}_{name}"
         # captures released because nothing but them held one of their parameters
         self.released = f"released_orphaned_{name}"
-        # mutated inputs that came at a new address on every call, copied from then on
-        self.copied = f"copied_mutated_inputs_{name}"
+        # inputs that came at a new address on every call, copied from then on
+        self.copied = f"copied_inputs_{name}"
 
     def count_capture(self, reason: str, captured_now: int) -> None:
         counters = _compat.npugraph_ex_counters()

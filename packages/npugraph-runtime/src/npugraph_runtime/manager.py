@@ -28,6 +28,7 @@ from npugraph_runtime.capture import (
     orphaned_captures,
     record,
     storage_uses,
+    tensor,
     undone_runs,
     warm_up,
 )
@@ -84,7 +85,8 @@ class GraphedCallable:
     module class, so each distinct set of static addresses gets its own capture of the key,
     kept beside the others (up to ``capture_limit``). With ``check_static_addresses=False`` only
     the first and the last static input's addresses are checked (the representatives of an
-    instance): a re-bound static input between them goes unnoticed, and so do instances that
+    instance), with every static input that is not an ``nn.Parameter`` (a buffer a forward may
+    re-bind): a re-bound parameter between them goes unnoticed, and so do instances that
     share both (a class-attribute tensor used first and a shared submodule used last). Mutated inputs' addresses select the
     capture too while the caller keeps the earlier tensors (requests with their own KV caches);
     a capture whose mutated tensors the caller dropped is the one replaced.
@@ -347,11 +349,21 @@ class GraphedCallable:
         choice = choose(self.name, self._slots, caps, args, capture_core_limit(),
                         self._total < self._policy.capture_limit)
         gone = choice.replacing
-        new_tensor = (choice.reason == MUTATED_INPUT_CHANGE and key not in self._copied
-                      and not self._policy.force_recapture)
+        new_tensor = (choice.reason in (MUTATED_INPUT_CHANGE, STATIC_INPUT_CHANGE)
+                      and key not in self._copied and not self._policy.force_recapture)
         if gone is None:
             if choice.reason == STATIC_INPUT_CHANGE:  # another model: is an earlier one gone?
-                self._release_orphans()
+                released = self._release_orphans()
+                churn = next((c for c in released if c.key == key and c.new_tensor
+                              and not c.replayed[0]), None)
+                if churn is not None and new_tensor:
+                    # a static input (a buffer the forward re-binds, ``self.steps =
+                    # self.steps + 1``) that is new on every call: read from a buffer of the
+                    # key's own, refilled before each replay
+                    churned = [i for i in self._slots.static
+                               if tensor(args, i).data_ptr() != churn.addresses.get(i)]
+                    if CopiedInputs.eligible(churned, args):
+                        return self._start_copying(key, args, CopiedInputs(churned, args))
             return self._another(key, args, choice.reason, new_tensor)
         if new_tensor and gone.new_tensor and not gone.replayed[0] and gone.dropped():
             # a capture made for a new tensor, dropped before any later call replayed it: this
@@ -359,7 +371,7 @@ class GraphedCallable:
             churned = [i for i, ref in zip(self._slots.mutated, gone.callers, strict=True)
                        if ref() is None]
             if CopiedInputs.eligible(churned, args):
-                return self._start_copying(key, args, CopiedInputs(churned, args))
+                return self._start_copying(key, args, CopiedInputs(churned, args, churned))
         return self._capture(key, args, choice.reason, replacing=gone, new_tensor=new_tensor)
 
     def _start_copying(self, key: Key, args: Args, copied: CopiedInputs) -> object:
@@ -387,12 +399,16 @@ class GraphedCallable:
             inner = copied.inner
             out = inner(sub) if inner is not None else _MISS
             if out is _MISS:
-                out = self._reselect(key, sub, inner if inner is not None else run)
+                if self._captures.get(key):
+                    out = self._reselect(key, sub, inner if inner is not None else run)
+                else:  # every capture of the key was released (its static inputs dropped)
+                    out = self._another(key, sub, STATIC_INPUT_CHANGE)
                 if self._copied.get(key) is copied:  # not released (a fallback) meanwhile
                     latest = self._runs.get(key)
                     copied.inner = latest if latest is not run else None
                     self._runs[key] = run
-            copy(sources, copied.buffers)
+            if copied.written:
+                copy([sources[k] for k in copied.written], copied.written_buffers)
             return copied.remap(out, sources)
 
         return run
@@ -449,9 +465,10 @@ class GraphedCallable:
         if self._total >= self._policy.capture_limit:
             self._fall_back(CAPTURE_LIMIT)
             return self._fn(*args)
+        self._slots.watch_buffers(args)  # before any replay closure reads the watched inputs
         return self._capture(key, args, NEW_KEY)
 
-    def _release_orphans(self) -> None:
+    def _release_orphans(self) -> list[Capture]:
         """Release the captures of a dropped model (``orphaned_captures``), on the cold path of a
         capture for new static addresses or a new key. force_recapture keeps its captures: its
         replay closure recaptures in place of one. At most capture_limit are released in all:
@@ -459,10 +476,10 @@ class GraphedCallable:
         otherwise recapture forever instead of falling back to eager at capture_limit."""
         if (self._policy.force_recapture or not self._captures
                 or self._released >= self._policy.capture_limit):
-            return
+            return []
         gone = orphaned_captures([c for caps in self._captures.values() for c in caps])
         if not gone:
-            return
+            return []
         runs = {c.replay for c in gone}
         for key in list(self._captures):
             kept = [c for c in self._captures[key] if c not in gone]
@@ -488,6 +505,7 @@ class GraphedCallable:
         self._counters.count_released(len(gone), self._total)
         logger.info("%s: released %d capture(s) whose parameters nothing else holds",
                     self.name, len(gone))
+        return gone
 
     def _capture(
         self, key: Key, args: Args, reason: str, replacing: Capture | None = None,
