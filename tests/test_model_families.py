@@ -426,3 +426,39 @@ def test_encoder_and_moe_share_one_graph_pool_interleaved() -> None:
 
     _compare(make, call(twins), call(compiled), calls=8)
     assert _count("captured_") >= 2
+
+
+def test_requests_with_fresh_lazy_caches_prefill_and_decode_through_one_compiled_forward() -> None:
+    # transformers 4.57 allocates a StaticCache's tensors at its first update, so the first
+    # compiled call of each request creates that request's cache inside the graph and returns
+    # it: a later request's prefill must not be handed a cache an earlier request still uses.
+    # Requests start staggered and are served in turn.
+    model = _llama()
+    twin = copy.deepcopy(model)
+    step = torch.compile(model.forward, backend="npugraph_ex")
+    config, batch, prompt, steps = model.config, 2, 4, 5
+    requests: list[dict[str, Any]] = []
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with torch.no_grad():
+        for it in range(20):
+            if it % 3 == 0 and len(requests) < 3:
+                requests.append({"caches": [transformers.StaticCache(config=config, max_batch_size=batch,
+                                                                     max_cache_len=12) for _ in range(2)],
+                                 "tok": torch.randint(2, 62, (batch, prompt)), "done": 0})
+            live = [r for r in requests if r["done"] < steps]
+            if not live:
+                break
+            req = live[it % len(live)]
+            n = req["done"]
+            at = torch.arange(prompt) if n == 0 else torch.tensor([prompt + n - 1])
+            got = step(input_ids=req["tok"], past_key_values=req["caches"][0], cache_position=at).logits[:, -1:]
+            want = twin(input_ids=req["tok"], past_key_values=req["caches"][1], cache_position=at).logits[:, -1:]
+            _close(got, want)
+            kept.append((got, want.clone()))
+            for old, old_want in kept:
+                _close(old, old_want)
+            req["tok"], req["done"] = want.argmax(-1), n + 1
+        for req in requests:
+            _close(*req["caches"])
+    assert _count("captured_") >= 2
+    assert _count("recapture_due_to_mutated_input_change") >= 1
