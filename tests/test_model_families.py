@@ -195,7 +195,7 @@ def test_moe_routing_in_one_graph_runs_eagerly_with_a_counted_reason() -> None:
 def _decode(model: Any, twin: Any, cache: Any, twin_cache: Any, step: Callable[..., Any],
             batch: int, prompt: int, steps: int, tol: float = 1e-4) -> None:
     """Eager prefill on both, then compiled decode steps vs eager ones with a left-padded batch:
-    a fresh growing attention mask and per-row position_ids each step, as generate passes."""
+    a fresh copy of the cache-length attention mask and per-row position_ids each step."""
     mask = _left_padded(batch, prompt + steps, 1)
     pos = (mask.cumsum(-1) - 1).clamp(min=0)
     ids = torch.randint(1, 64, (batch, prompt))
@@ -207,7 +207,7 @@ def _decode(model: Any, twin: Any, cache: Any, twin_cache: Any, step: Callable[.
         tok = firsts[1][:, -1:].argmax(-1)
         for s in range(steps):
             n = prompt + s
-            kwargs = dict(input_ids=tok, attention_mask=mask[:, : n + 1].clone(),
+            kwargs = dict(input_ids=tok, attention_mask=mask.clone(),
                           position_ids=pos[:, n : n + 1].clone(), cache_position=torch.tensor([n]))
             got = step(past_key_values=cache, **kwargs).logits
             want = twin(past_key_values=twin_cache, **kwargs).logits
@@ -225,7 +225,7 @@ def test_qwen2_moe_static_cache_decode_left_padded() -> None:
     torch.manual_seed(1)
     model = cls(config).eval()
     twin = copy.deepcopy(model)
-    caches = [transformers.StaticCache(config=config, max_batch_size=3, max_cache_len=12) for _ in range(2)]
+    caches = [transformers.StaticCache(config=config, max_batch_size=3, max_cache_len=10) for _ in range(2)]
     step = torch.compile(model.forward, backend="npugraph_ex", dynamic=None, options={"clone_output": True})
     _decode(model, twin, *caches, step, batch=3, prompt=4, steps=6)
     assert _count("captured_") >= 2
@@ -253,7 +253,7 @@ def test_decode_dtypes_sliding_window_and_rope_scaling(family: str, dtype: torch
     torch.manual_seed(2)
     model = cls(config).eval().to(dtype)
     twin = copy.deepcopy(model)
-    caches = [transformers.StaticCache(config=config, max_batch_size=3, max_cache_len=14, dtype=dtype)
+    caches = [transformers.StaticCache(config=config, max_batch_size=3, max_cache_len=11, dtype=dtype)
               for _ in range(2)]
     step = torch.compile(model.forward, backend="npugraph_ex", dynamic=None)
     _decode(model, twin, *caches, step, batch=3, prompt=5, steps=6,
