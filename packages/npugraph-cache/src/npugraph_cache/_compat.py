@@ -43,7 +43,7 @@ def aot_compile(
     kwargs: dict[str, Any],
     backend: Backend,
     dynamic: bool,
-    value_guards: Callable[[str, str], bool] | None = None,
+    value_guards: Callable[[str, str, Any], bool] | None = None,
     recorded: list[str] | None = None,
     parameter_guards: bool = True,
 ) -> Any:
@@ -55,7 +55,7 @@ def aot_compile(
     which torch.compile does but aot_compile cannot (TensorifyScalarRestartAnalysis escapes);
     specialising up front gives the graph the restart would have given.
 
-    ``value_guards(guard_type, name)`` selects the guards on values whose source names go to
+    ``value_guards(guard_type, name, value)`` selects the guards on values whose source names go to
     ``recorded`` (they are checked by npugraph_cache.guards, since torch cannot save them)."""
     import functools
 
@@ -81,7 +81,7 @@ def aot_compile(
 
 def portable_guard_filter(
     entries: Any,
-    value_guards: Callable[[str, str], bool] | None = None,
+    value_guards: Callable[[str, str, Any], bool] | None = None,
     recorded: list[str] | None = None,
     parameter_guards: bool = True,
 ) -> list[bool]:
@@ -99,7 +99,8 @@ def portable_guard_filter(
     with ``has_value`` and ``value``; ~0.12 µs a tensor a call): for a compiler whose runtime
     checks the parameters' addresses itself."""
     if value_guards is not None and recorded is not None:
-        recorded.extend(e.name for e in entries if value_guards(e.guard_type, e.name))
+        recorded.extend(e.name for e in entries
+                        if value_guards(e.guard_type, e.name, e.value if e.has_value else None))
     return [
         e.guard_type in ("GLOBAL_STATE", "SHAPE_ENV")
         or (

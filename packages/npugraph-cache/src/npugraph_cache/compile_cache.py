@@ -409,7 +409,7 @@ class CacheCompiledFunction:
                 kwargs,
                 checked_backend,
                 self.dynamic,
-                value_guards=lambda kind, name: ValueGuards.kept(kind, name, self_name),
+                value_guards=lambda kind, name, value: ValueGuards.kept(kind, name, self_name, value),
                 recorded=recorded,
                 parameter_guards=self.parameter_guards,
             )

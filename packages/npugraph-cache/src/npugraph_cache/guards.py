@@ -22,6 +22,7 @@ skipped (documented in the README).
 from __future__ import annotations
 
 import builtins
+import enum
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -30,15 +31,19 @@ from typing import Any
 from npugraph_cache.errors import FormatError
 
 VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH"})
-FUNCTION_GUARDS = frozenset({"CLOSURE_MATCH", "FUNCTION_MATCH"})
+# BUILTIN_MATCH: a C function (``self.act = F.gelu``, ``ACT = torch.tanh``); CLASS_MATCH: a class
+FUNCTION_GUARDS = frozenset({"BUILTIN_MATCH", "CLASS_MATCH", "CLOSURE_MATCH", "FUNCTION_MATCH"})
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _MAX_DEPTH = 8
-# modules dynamo itself puts into the globals while tracing (absent in a process that loads)
-_DYNAMO_IMPORTS = "G['__import_"
+# modules and builtins dicts dynamo itself puts into the globals while tracing (absent in a
+# process that loads)
+_DYNAMO_IMPORTS = ("G['__import_", "G['__builtins_dict_")
 
 
 def describe(value: Any, depth: int = 0) -> Any:
     """A portable, comparable description of a value (tuples, so it compares and hashes)."""
+    if isinstance(value, enum.Enum):  # before int: an IntEnum member is its own value
+        return ("enum", type(value).__module__, type(value).__qualname__, value.name)
     if value is None or isinstance(value, bool | int | float | str | bytes):
         return (type(value).__name__, value if not isinstance(value, bytes) else value.hex())
     if isinstance(value, tuple | list | frozenset | set) and depth < _MAX_DEPTH:
@@ -70,8 +75,15 @@ class ValueGuards:
     expected: tuple[Any, ...]
 
     @staticmethod
-    def kept(guard_type: str, name: str, self_name: str) -> bool:
-        if guard_type not in VALUE_GUARDS | FUNCTION_GUARDS or name.startswith(_DYNAMO_IMPORTS):
+    def kept(guard_type: str, name: str, self_name: str, value: Any = None) -> bool:
+        """``value``: the guarded value; an identity guard (ID_MATCH) is kept for an enum
+        member (``self.kind = Kind.CAUSAL``), which is described portably by class and name."""
+        if guard_type == "ID_MATCH":
+            if not isinstance(value, enum.Enum):
+                return False
+        elif guard_type not in VALUE_GUARDS | FUNCTION_GUARDS:
+            return False
+        if name.startswith(_DYNAMO_IMPORTS):
             return False
         return name.startswith("G[") or name == self_name or name.startswith(
             (f"{self_name}.", f"{self_name}[")
@@ -176,6 +188,8 @@ def _always() -> bool:
 def _show(desc: Any) -> str:
     if desc[0] == "function":
         return f"function {desc[1]}.{desc[2]}"
+    if desc[0] == "enum":
+        return f"{desc[2]}.{desc[3]}"
     if desc[0] in ("tuple", "list", "set", "frozenset"):
         return f"{desc[0]} of {len(desc[1])}"
     return repr(desc[1])[:60]
