@@ -1,0 +1,81 @@
+"""npugraph_ex.inference.cache_compile across restarts: what a restarted process changed (a
+numerics flag, ...) either gives its own entry or is served correctly by the saved one, equal
+to eager over 6 calls with fresh inputs; a new cache_compile on the same cache folder stands in
+for the restarted process."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from npugraph_cache import CacheWarning, _compat
+from npugraph_cache.secret import KEY_ENV
+from torch._dynamo.utils import counters
+
+from npugraph_ex.inference import cache_compile
+
+pytestmark = pytest.mark.skipif(not _compat.has_aot_compile(),
+                                reason=f"torch {torch.__version__}: no disk cache (no aot_compile)")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def own_cache_key(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(KEY_ENV, str(tmp_path_factory.mktemp("key") / "cache.key"))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def fresh_counters() -> Iterator[None]:
+    counters.clear()
+    yield
+    counters.clear()
+
+
+class Attention(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.q(x)
+        return torch.softmax(h @ h.transpose(-1, -2), -1) @ h
+
+
+def _serve(cache: Path) -> None:
+    torch.manual_seed(0)
+    model = Attention().eval()
+    compiled = cache_compile(model.forward, cache_dir=cache)
+    for i in range(6):
+        x = torch.randn(5, 32)
+        with torch.no_grad():
+            want = model(x)
+        torch.testing.assert_close(compiled(x), want, rtol=0, atol=0, msg=f"call {i}")
+
+
+def _set_bf16_cpu_matmul(on: bool) -> None:
+    """The per-backend precision API alone; torch's legacy getter raises after it."""
+    torch.backends.mkldnn.matmul.fp32_precision = "bf16" if on else "none"
+
+
+@pytest.mark.parametrize("compiled_with", [False, True], ids=["loaded-with", "compiled-with"])
+def test_bf16_cpu_matmul_set_per_backend_compiles_saves_and_loads(
+    tmp_path: Path, compiled_with: bool
+) -> None:
+    """The entry's kernel decisions are exported with the environment after its first call,
+    and compared with this environment before a loaded entry's first call."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", CacheWarning)
+            _set_bf16_cpu_matmul(compiled_with)
+            _serve(tmp_path)
+            _set_bf16_cpu_matmul(True)
+            _serve(tmp_path)
+    finally:
+        _set_bf16_cpu_matmul(False)
+    assert counters["npugraph_ex_cache"]["compiled"] == 1
+    assert counters["npugraph_ex_cache"]["loaded"] == 1
+    assert sum(v for k, v in counters["npugraph_ex"].items() if k.startswith("captured")) >= 2
