@@ -21,15 +21,10 @@ pytestmark = pytest.mark.skipif(not _compat.has_aot_compile(),
                                 reason=f"torch {torch.__version__}: no disk cache (no aot_compile)")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def own_cache_key(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(KEY_ENV, str(tmp_path_factory.mktemp("key") / "cache.key"))
-        yield
-
-
 @pytest.fixture(autouse=True)
-def fresh_counters() -> Iterator[None]:
+def own_key_and_counters(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A cache key of this test's own (never the user's), and counters of this test only."""
+    monkeypatch.setenv(KEY_ENV, str(tmp_path / "cache.key"))
     counters.clear()
     yield
     counters.clear()
