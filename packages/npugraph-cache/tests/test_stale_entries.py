@@ -122,3 +122,77 @@ def test_parameters_of_another_dtype_get_another_entry_without_parameter_guards(
     assert _serve(Layer(dtype=torch.float64), tmp_path, parameter_guards=False) == []
     assert counters["npugraph_ex_cache"]["compiled"] == 2
     assert counters["npugraph_ex_cache"]["loaded"] == 0
+
+
+_RANK_WORKER = '''
+import datetime, json, os, sys
+import torch, torch.distributed as dist
+from npugraph_cache import cache_compile
+from torch._dynamo.utils import counters
+
+
+class Scaled(torch.nn.Module):
+    """Wraps its method in __init__, as the seed's example does: built before the group."""
+
+    def __init__(self, cache):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+        self.served = cache_compile(self.forward, cache_dir=cache)
+
+    def forward(self, x):
+        return self.lin(x) * (dist.get_rank() + 1)  # the traced graph holds this rank
+
+
+rank, port, cache = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+model = Scaled(cache).eval()
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                        timeout=datetime.timedelta(seconds=30))
+if rank == 0:
+    dist.barrier()  # rank 1 compiles and saves first
+errors = []
+for i in range(6):
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        errors.append(float((model.served(x) - model(x)).abs().max()))
+if rank == 1:
+    dist.barrier()
+dist.barrier()
+dist.destroy_process_group()
+print(json.dumps({"errors": errors, "cache": dict(counters["npugraph_ex_cache"]),
+                  "folder": model.served.entry_paths[0].parent.parent.name}))
+'''
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_ranks_built_before_the_process_group_get_entries_of_their_own(tmp_path: Path) -> None:
+    """cache_compile before init_process_group: the rank is read when an entry is made, so
+    rank 0 never loads rank 1's graph (which holds ``dist.get_rank()``)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "rank_worker.py"
+    script.write_text(_RANK_WORKER)
+    port = str(_free_port())
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(script), str(rank), port, str(tmp_path / "c")],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for rank in (0, 1)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err[-2000:]
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    for rank, result in enumerate(results):
+        assert result["errors"] == [0.0] * 6, result
+        assert result["cache"].get("compiled") == 1 and not result["cache"].get("loaded"), result
+        assert result["folder"] == f"world2global_rank{rank}"

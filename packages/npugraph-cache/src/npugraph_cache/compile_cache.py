@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import inspect
 import os
 import threading
@@ -156,7 +157,7 @@ class CacheCompiledFunction:
         *,
         dynamic: bool,
         store: CacheStore,
-        rank: str,
+        rank: Callable[[], str],
         options: Mapping[str, Any] | None,
         custom_decompositions: Mapping[Any, Any] | None,
         compile_fn: CompileFn,
@@ -171,7 +172,7 @@ class CacheCompiledFunction:
         self.name: str = self._function.__name__
         self.dynamic = dynamic
         self.store = store
-        self.rank = rank
+        self._rank = rank
         self.options = dict(options) if options is not None else None
         self.custom_decompositions = custom_decompositions
         self.compile_fn = compile_fn
@@ -193,6 +194,13 @@ class CacheCompiledFunction:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_detached, (getattr(self._function, "__qualname__", self.name),))
+
+    @property
+    def rank(self) -> str:
+        """This process's rank component, read on each miss, not at cache_compile: a model that
+        wraps its methods in ``__init__`` may be built before ``init_process_group``, and its
+        ranks must still get folders and keys of their own (a graph may hold the rank)."""
+        return self._rank()
 
     @property
     def func_dir(self) -> Path:
@@ -551,7 +559,7 @@ def cache_compile(
         func,
         dynamic=dynamic,
         store=store,
-        rank=rank_component(global_rank, tp_rank, pp_rank),
+        rank=functools.partial(rank_component, global_rank, tp_rank, pp_rank),
         options=options,
         custom_decompositions=decompositions,
         compile_fn=compile_fn or eager_compile_fn,
