@@ -66,11 +66,58 @@ def test_bf16_cpu_matmul_set_per_backend_compiles_saves_and_loads(
         with warnings.catch_warnings():
             warnings.simplefilter("error", CacheWarning)
             _set_bf16_cpu_matmul(compiled_with)
-            _serve(tmp_path)
+            _serve(tmp_path / "cache")
             _set_bf16_cpu_matmul(True)
-            _serve(tmp_path)
+            _serve(tmp_path / "cache")
     finally:
         _set_bf16_cpu_matmul(False)
     assert counters["npugraph_ex_cache"]["compiled"] == 1
     assert counters["npugraph_ex_cache"]["loaded"] == 1
     assert sum(v for k, v in counters["npugraph_ex"].items() if k.startswith("captured")) >= 2
+
+
+def test_torchs_autograd_cache_off_serves_without_the_disk_cache_naming_the_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AOTAutograd hands out a savable function only through its own cache."""
+    import torch._functorch.config as functorch_config
+
+    monkeypatch.setattr(functorch_config, "enable_autograd_cache", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CacheWarning)
+        _serve(tmp_path / "cache")
+    [warning] = [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
+    assert "enable_autograd_cache is off" in warning and "without the disk cache" in warning
+    assert sum(v for k, v in counters["npugraph_ex"].items() if k.startswith("captured")) >= 1
+
+
+_FULL_DISK = """
+import json, resource, sys, warnings
+resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000))  # writes past 2 kB fail (EFBIG)
+import torch
+from npugraph_ex.inference import cache_compile
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU()).eval()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    served = cache_compile(model.forward, cache_dir=sys.argv[1])
+    for _ in range(6):
+        x = torch.randn(4, 32)
+        with torch.no_grad():
+            assert torch.equal(served(x), model(x))
+print(json.dumps([str(w.message) for w in caught if "npugraph_ex cache" in str(w.message)]))
+"""
+
+
+def test_a_full_disk_serves_without_the_disk_cache_with_one_warning(tmp_path: Path) -> None:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "ind"))
+    done = subprocess.run([sys.executable, "-c", _FULL_DISK, str(tmp_path / "cache")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [warning] = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "File too large" in warning and "without the disk cache" in warning

@@ -196,3 +196,30 @@ def test_ranks_built_before_the_process_group_get_entries_of_their_own(tmp_path:
         assert result["errors"] == [0.0] * 6, result
         assert result["cache"].get("compiled") == 1 and not result["cache"].get("loaded"), result
         assert result["folder"] == f"world2global_rank{rank}"
+
+
+def test_a_cache_folder_below_a_file_warns_and_serves_without_the_disk_cache(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "a_file").write_text("")
+    torch.manual_seed(0)
+    [warning] = _serve(Layer(), tmp_path / "a_file" / "cache")
+    assert "cannot use the cache folder" in warning and "NotADirectoryError" in warning
+    assert "without the disk cache" in warning
+
+
+def test_an_entry_that_cannot_be_written_warns_and_the_compiled_function_serves(
+    tmp_path: Path,
+) -> None:
+    """A write that fails after compiling (here: a folder where the entry goes; a full disk
+    the same) keeps the compiled function for this process, with one warning."""
+    torch.manual_seed(0)
+    probe = cache_compile(Layer().forward, cache_dir=tmp_path)
+    probe.store.ensure_dir(probe.func_dir)
+    key = probe.key_for((torch.randn(3, 8),), {})
+    blocker = probe.store.entry_path(probe.func_dir, key.digest())
+    (blocker / "x").mkdir(parents=True)
+    torch.manual_seed(0)
+    warned = _serve(Layer(), tmp_path)
+    assert any("cannot be saved to" in w and "this process uses it" in w for w in warned), warned
+    assert counters["npugraph_ex_cache"]["compiled"] == 1

@@ -142,6 +142,24 @@ def changed_sources(compiled: Any) -> list[str]:
     return changed
 
 
+def unsavable(exc: BaseException) -> str | None:
+    """Why torch's aot_compile made no function it can save, or None for any other error.
+    Checked on torch 2.13.0: the backend's output refused (``BypassAOTAutogradCache``,
+    ``PackageError``); torch's own AOTAutograd cache not writable in strict mode (an OSError: a
+    full disk); and, with ``torch._functorch.config.enable_autograd_cache`` off, AOTAutograd's
+    output without ``serialize`` ("does not implement SerializableCallable")."""
+    if type(exc).__name__ in ("BypassAOTAutogradCache", "PackageError") or isinstance(exc, OSError):
+        return str(exc)
+    if isinstance(exc, RuntimeError) and "does not implement SerializableCallable" in str(exc):
+        import torch._functorch.config as functorch_config
+
+        if not getattr(functorch_config, "enable_autograd_cache", True):
+            return ("torch._functorch.config.enable_autograd_cache is off, e.g. "
+                    "TORCHINDUCTOR_AUTOGRAD_CACHE=0: AOTAutograd's output is savable only with it")
+        return str(exc)
+    return None
+
+
 def serialize_compiled(compiled: Any) -> bytes:
     """Checked on torch 2.13.0: ``AOTCompiledFunction.serialize(fn).serialized_data``; the public
     ``save_compiled_function(path)`` writes straight to a file, we need the bytes for our format."""

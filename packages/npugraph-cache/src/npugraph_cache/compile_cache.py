@@ -89,9 +89,6 @@ def _eager_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
     return _compat.eager_serializable(gm)
 
 
-_NOT_SAVABLE = ("BypassAOTAutogradCache", "PackageError")
-
-
 class _Uncached:
     """A function compiled by plain torch.compile (dynamo keeps its own guards and recompiles)."""
 
@@ -384,15 +381,17 @@ class CacheCompiledFunction:
                             )
                         compiled, guards = self._compile_and_save(path, key, args, kwargs)
                         loaded = False
-        except CachePermissionError as exc:
+        except (CachePermissionError, OSError) as exc:  # OSError: a read-only or full disk
+            reason = str(exc) if isinstance(exc, CachePermissionError) else (
+                f"cannot use the cache folder {func_dir} ({type(exc).__name__}: {exc})")
             warnings.warn(
-                f"npugraph_ex cache: {exc}; {self.name} is compiled without the disk cache",
+                f"npugraph_ex cache: {reason}; {self.name} is compiled without the disk cache",
                 CacheWarning,
                 stacklevel=3,
             )
             return self._compile_without_cache(), no_guards, False
         _compat.disable_guard_check(compiled)
-        if not isinstance(compiled, _Uncached):
+        if not isinstance(compiled, _Uncached) and path.is_file():  # else: not saved (warned)
             self.entry_paths.append(path)
         return compiled, guards, loaded
 
@@ -426,11 +425,12 @@ class CacheCompiledFunction:
             while cause is not None:
                 if isinstance(cause, RngGraphError):
                     raise RngGraphError(str(cause)) from None
-                if type(cause).__name__ in _NOT_SAVABLE:
-                    # The backend's output cannot be saved (torch's aot_compile insists):
-                    # compile normally, without the disk cache, rather than fail.
+                why = _compat.unsavable(cause)
+                if why is not None:
+                    # The backend's output cannot be saved (torch's aot_compile insists): compile
+                    # normally, without the disk cache, rather than fail.
                     warnings.warn(
-                        f"npugraph_ex cache: {qualname} cannot be saved ({cause}); this process "
+                        f"npugraph_ex cache: {qualname} cannot be saved ({why}); this process "
                         "compiles it without the disk cache",
                         CacheWarning,
                         stacklevel=4,
@@ -442,16 +442,6 @@ class CacheCompiledFunction:
         guards = ValueGuards.from_recorded(
             recorded, self_name, self._function.__globals__, self._module
         )
-        try:
-            payload = _compat.serialize_compiled(compiled)
-        except Exception as exc:  # e.g. a backend output that does not pickle
-            warnings.warn(
-                f"npugraph_ex cache: {qualname} compiled but cannot be saved to {path} "
-                f"({type(exc).__name__}: {exc}); this process uses it without the disk cache",
-                CacheWarning,
-                stacklevel=4,
-            )
-            return compiled, guards
         readable = getattr(backend, "readable_code", None)
         metadata = {
             "key": key.fields,
@@ -468,7 +458,17 @@ class CacheCompiledFunction:
             "compiler_code": str(readable()) if callable(readable) else "",
             "value_guards": guards.to_json(),
         }
-        self.store.write(path, encode(metadata, payload, self.store.key))
+        try:
+            payload = _compat.serialize_compiled(compiled)
+            self.store.write(path, encode(metadata, payload, self.store.key))
+        except Exception as exc:  # a backend output that does not pickle; a full disk
+            warnings.warn(
+                f"npugraph_ex cache: {qualname} compiled but cannot be saved to {path} "
+                f"({type(exc).__name__}: {exc}); this process uses it without the disk cache",
+                CacheWarning,
+                stacklevel=4,
+            )
+            return compiled, guards
         self._unfinished = (path, metadata, payload)
         return compiled, guards
 
