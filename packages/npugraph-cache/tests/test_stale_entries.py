@@ -64,7 +64,7 @@ def fresh_counters() -> Iterator[None]:
     counters.clear()
 
 
-def _serve(layer: Layer, cache: Path, **kwargs: Any) -> list[str]:
+def _serve(layer: torch.nn.Module, cache: Path, **kwargs: Any) -> list[str]:
     """Six calls of a new cache_compile of ``layer.forward`` on ``cache`` against eager; the
     npugraph_ex cache warnings."""
     torch.manual_seed(1)
@@ -223,3 +223,42 @@ def test_an_entry_that_cannot_be_written_warns_and_the_compiled_function_serves(
     warned = _serve(Layer(), tmp_path)
     assert any("cannot be saved to" in w and "this process uses it" in w for w in warned), warned
     assert counters["npugraph_ex_cache"]["compiled"] == 1
+
+
+class Flagged(torch.nn.Module):
+    """A class attribute and an environment variable the forward reads (torch guards neither
+    in a way a save keeps: ``dict(type(self).__dict__)['GAIN']``, and a type check of
+    os.environ only)."""
+
+    GAIN = 2.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import os
+
+        return self.lin(x) * self.GAIN * float(os.environ.get("NPUGRAPH_TEST_SCALE", "1"))
+
+
+def _serve_flagged(cache: Path) -> list[str]:
+    torch.manual_seed(0)
+    return _serve(Flagged(), cache)
+
+
+def test_a_class_attribute_or_environment_variable_read_by_the_trace_selects_its_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("NPUGRAPH_TEST_SCALE", "1")
+    assert _serve_flagged(tmp_path) == []
+    assert _serve_flagged(tmp_path) == []  # the same values: loaded
+    assert counters["npugraph_ex_cache"]["loaded"] == 1
+    monkeypatch.setattr(Flagged, "GAIN", 5.0)
+    [warning] = _serve_flagged(tmp_path)
+    assert "dict(type(self).__dict__)['GAIN'] is 5.0, was 2.0" in warning
+    monkeypatch.setenv("NPUGRAPH_TEST_SCALE", "3")
+    [warning] = _serve_flagged(tmp_path)
+    assert "os.environ differs from when compiled in NPUGRAPH_TEST_SCALE" in warning
+    assert counters["npugraph_ex_cache"]["compiled"] == 3
+    assert counters["npugraph_ex_cache"]["loaded"] == 1

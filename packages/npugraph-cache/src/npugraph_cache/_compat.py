@@ -43,7 +43,7 @@ def aot_compile(
     kwargs: dict[str, Any],
     backend: Backend,
     dynamic: bool,
-    value_guards: Callable[[str, str, Any], bool] | None = None,
+    value_guards: Callable[[str, str, Any], str | None] | None = None,
     recorded: list[str] | None = None,
     parameter_guards: bool = True,
 ) -> Any:
@@ -55,8 +55,9 @@ def aot_compile(
     which torch.compile does but aot_compile cannot (TensorifyScalarRestartAnalysis escapes);
     specialising up front gives the graph the restart would have given.
 
-    ``value_guards(guard_type, name, value)`` selects the guards on values whose source names go to
-    ``recorded`` (they are checked by npugraph_cache.guards, since torch cannot save them)."""
+    ``value_guards(guard_type, name, value)`` gives the source to keep (or None) of each guard
+    on a value; those go to ``recorded`` (they are checked by npugraph_cache.guards, since
+    torch cannot save them)."""
     import functools
 
     import torch._dynamo.config as dynamo_config
@@ -81,7 +82,7 @@ def aot_compile(
 
 def portable_guard_filter(
     entries: Any,
-    value_guards: Callable[[str, str, Any], bool] | None = None,
+    value_guards: Callable[[str, str, Any], str | None] | None = None,
     recorded: list[str] | None = None,
     parameter_guards: bool = True,
 ) -> list[bool]:
@@ -99,8 +100,10 @@ def portable_guard_filter(
     with ``has_value`` and ``value``; ~0.12 µs a tensor a call): for a compiler whose runtime
     checks the parameters' addresses itself."""
     if value_guards is not None and recorded is not None:
-        recorded.extend(e.name for e in entries
-                        if value_guards(e.guard_type, e.name, e.value if e.has_value else None))
+        for e in entries:
+            source = value_guards(e.guard_type, e.name, e.value if e.has_value else None)
+            if source is not None:
+                recorded.append(source)
     return [
         e.guard_type in ("GLOBAL_STATE", "SHAPE_ENV")
         or (
