@@ -121,3 +121,41 @@ def test_a_full_disk_serves_without_the_disk_cache_with_one_warning(tmp_path: Pa
     assert done.returncode == 0, done.stderr[-2000:]
     [warning] = json.loads(done.stdout.strip().splitlines()[-1])
     assert "File too large" in warning and "without the disk cache" in warning
+
+
+_WARM_DEBUG = """
+import importlib, pathlib, sys, torch
+torch.set_num_threads(int(sys.argv[3]))  # as the compiling process: part of the key
+sys.path[:0] = [sys.argv[2], str(pathlib.Path(sys.argv[2]).parent)]
+# the module under the name pytest gave it (the class's module is part of the key)
+importlib.import_module(sys.argv[4])._serve(pathlib.Path(sys.argv[1]))
+from torch._dynamo.utils import counters
+assert counters["npugraph_ex_cache"]["loaded"] == 1, dict(counters["npugraph_ex_cache"])
+"""
+
+
+def test_a_warm_start_under_torch_compile_debug_dumps_the_loaded_graph_and_its_captures(
+    tmp_path: Path,
+) -> None:
+    """TORCH_COMPILE_DEBUG=1 on a warm start wrote no npugraph_ex folder at all (nothing was
+    compiled); now the loaded graph's output code, its captures and a note of why there are no
+    dynamo or pass dumps."""
+    import os
+    import subprocess
+    import sys
+
+    _serve(tmp_path / "cache")  # compiled here, without debugging
+    env = {**os.environ, "TORCH_COMPILE_DEBUG": "1"}
+    env.pop("TORCH_COMPILE_DEBUG_DIR", None)
+    done = subprocess.run([sys.executable, "-c", _WARM_DEBUG, str(tmp_path / "cache"),
+                           str(Path(__file__).parent), str(torch.get_num_threads()),
+                           Attention.__module__],
+                          cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [model] = tmp_path.glob("torch_compile_debug/run_*/npugraph_ex/model__*")
+    assert "loaded from a saved compile" in (model / "loaded.txt").read_text()
+    assert "def forward" in (model / "forward" / "output_code.py").read_text()
+    [capture] = model.glob("graph_*.json")
+    assert '"reason": "new_key"' in capture.read_text()
+    assert not (model / "dynamo_out_graph.txt").exists()

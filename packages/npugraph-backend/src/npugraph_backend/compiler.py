@@ -195,7 +195,10 @@ class CompiledGraph:
         self.name = state["name"]
         self.device = torch.device(state["device"])
         self.eager_reason = state["eager_reason"]
-        self._build()
+        debug = begin_debug(None)  # TORCH_COMPILE_DEBUG=1 on a warm start: this graph's dumps
+        if debug is not None:
+            debug.loaded(self.name)
+        self._build(debug)
 
     def __repr__(self) -> str:
         how = f"eager ({self.eager_reason})" if self.eager_reason else "captured"
