@@ -159,3 +159,17 @@ def test_a_warm_start_under_torch_compile_debug_dumps_the_loaded_graph_and_its_c
     [capture] = model.glob("graph_*.json")
     assert '"reason": "new_key"' in capture.read_text()
     assert not (model / "dynamo_out_graph.txt").exists()
+
+
+def test_the_npugraph_ex_log_names_the_entry_each_miss_compiled_or_loaded(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    caplog.set_level(logging.INFO, logger="npugraph_ex")
+    _serve(tmp_path / "cache")
+    _serve(tmp_path / "cache")
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cache: ")]
+    assert [s.split()[2] for s in said] == ["compiled", "loaded"], said
+    assert said[0].split()[-1] == said[1].split()[-1]  # one entry, its path
+    assert said[0].split()[-1].endswith(".ngx")

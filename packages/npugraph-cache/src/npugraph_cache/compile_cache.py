@@ -12,6 +12,7 @@ import dataclasses
 import datetime
 import functools
 import inspect
+import logging
 import os
 import threading
 import warnings
@@ -45,6 +46,9 @@ from npugraph_cache.keys import (
 from npugraph_cache.rng import RngGraphError, refuse_rng
 from npugraph_cache.store import CacheStore, check_owned
 from npugraph_cache.variants import load_any
+
+# the npugraph_ex logger (TORCH_LOGS=+npugraph_ex once the backend registered it)
+log = logging.getLogger("npugraph_ex")
 
 __all__ = ["Backend", "CacheCompiledFunction", "CacheWarning", "CompileFn", "EntryData",
            "cache_compile", "check_cache_dir", "check_decompositions", "eager_compile_fn"]
@@ -393,6 +397,9 @@ class CacheCompiledFunction:
         _compat.disable_guard_check(compiled)
         if not isinstance(compiled, _Uncached) and path.is_file():  # else: not saved (warned)
             self.entry_paths.append(path)
+            # TORCH_LOGS=+npugraph_ex: which entry a call got (`npugraph-ex cache show PATH`)
+            log.info("cache: %s %s %s", self.name, "loaded" if loaded else "compiled and saved",
+                     path)
         return compiled, guards, loaded
 
     def _compile_and_save(
