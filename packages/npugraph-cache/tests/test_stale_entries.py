@@ -262,3 +262,11 @@ def test_a_class_attribute_or_environment_variable_read_by_the_trace_selects_its
     assert "os.environ differs from when compiled in NPUGRAPH_TEST_SCALE" in warning
     assert counters["npugraph_ex_cache"]["compiled"] == 3
     assert counters["npugraph_ex_cache"]["loaded"] == 1
+
+
+def test_a_misspelt_keyword_names_the_one_meant_among_every_allowed_keyword() -> None:
+    from npugraph_cache import CacheArgumentError
+
+    with pytest.raises(CacheArgumentError, match=r"'cache_dri' \(did you mean 'cache_dir'\?\); "
+                       r"allowed: dynamic, cache_dir, .*direct_dispatch, options"):
+        cache_compile(Layer().forward, cache_dri="x")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import difflib
 import functools
 import inspect
 import logging
@@ -57,6 +58,7 @@ Backend = Callable[[torch.fx.GraphModule, list[Any]], Any]
 CompileFn = Callable[[Mapping[str, Any] | None, Mapping[Any, Any] | None], Backend]
 
 _ALLOWED_KWARGS = ("options", "custom_decompositions")
+_USER_KEYWORDS = ("dynamic", "cache_dir", "global_rank", "tp_rank", "pp_rank", "direct_dispatch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -527,9 +529,14 @@ def cache_compile(
     """
     unknown = sorted(set(kwargs) - set(_ALLOWED_KWARGS))
     if unknown:
+        # every keyword a user may pass, not just the two **kwargs: a typo of cache_dir must
+        # not read as "cache_dir is not allowed"
+        allowed = [*_USER_KEYWORDS, *_ALLOWED_KWARGS]
+        close = difflib.get_close_matches(unknown[0], allowed, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise CacheArgumentError(
-            f"cache_compile: unknown keyword argument(s) {', '.join(map(repr, unknown))}; "
-            f"allowed: {', '.join(_ALLOWED_KWARGS)}"
+            f"cache_compile: unknown keyword argument(s) {', '.join(map(repr, unknown))}{hint}; "
+            f"allowed: {', '.join(allowed)}"
         )
     if not inspect.ismethod(func):
         raise CacheArgumentError(
