@@ -270,3 +270,13 @@ def test_a_misspelt_keyword_names_the_one_meant_among_every_allowed_keyword() ->
     with pytest.raises(CacheArgumentError, match=r"'cache_dri' \(did you mean 'cache_dir'\?\); "
                        r"allowed: dynamic, cache_dir, .*direct_dispatch, options"):
         cache_compile(Layer().forward, cache_dri="x")
+
+
+def test_a_changed_tuple_is_shown_by_its_items_in_the_warning() -> None:
+    import types
+
+    from npugraph_cache.guards import ValueGuards, describe
+
+    guards = ValueGuards("self", ("self.sizes",), (describe((8, 8)),))
+    message = guards.mismatch({}, types.SimpleNamespace(sizes=(4, 12)))
+    assert message == "self.sizes is (4, 12), was (8, 8) when compiled"

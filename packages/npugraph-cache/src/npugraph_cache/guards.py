@@ -42,6 +42,7 @@ _MAX_DEPTH = 8
 # process that loads)
 _DYNAMO_IMPORTS = ("['__import_", "['__builtins_dict_")
 _ENVIRON = "__import__('os').environ"
+_SCALARS = frozenset({"NoneType", "bool", "int", "float", "str"})
 
 
 def describe(value: Any, depth: int = 0) -> Any:
@@ -229,7 +230,14 @@ def _show(desc: Any) -> str:
     if desc[0] == "environ":
         return f"os.environ with {len(desc[1])} variables"
     if desc[0] in ("tuple", "list", "set", "frozenset"):
-        return f"{desc[0]} of {len(desc[1])}"
+        items = desc[1]
+        if all(len(d) == 2 and d[0] in _SCALARS for d in items):  # (4, 12), not "tuple of 2"
+            text = ", ".join(repr(d[1]) for d in items) + ("," if len(items) == 1 else "")
+            brackets = {"tuple": "()", "list": "[]"}.get(desc[0], "{}")
+            shown = f"{brackets[0]}{text}{brackets[1]}"
+            if len(shown) <= 60:
+                return shown
+        return f"{desc[0]} of {len(items)}"
     return repr(desc[1])[:60]
 
 
