@@ -169,7 +169,13 @@ def test_the_npugraph_ex_log_names_the_entry_each_miss_compiled_or_loaded(
     caplog.set_level(logging.INFO, logger="npugraph_ex")
     _serve(tmp_path / "cache")
     _serve(tmp_path / "cache")
+    torch.use_deterministic_algorithms(True)  # global state the entry's guards check
+    try:
+        _serve(tmp_path / "cache")
+    finally:
+        torch.use_deterministic_algorithms(False)
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cache: ")]
-    assert [s.split()[2] for s in said] == ["compiled", "loaded"], said
+    assert [s.split()[2] for s in said] == ["compiled", "loaded", "its", "compiled"], said
     assert said[0].split()[-1] == said[1].split()[-1]  # one entry, its path
     assert said[0].split()[-1].endswith(".ngx")
+    assert said[2].startswith(f"cache: {said[0].split()[-1]}: its guards reject this call")
