@@ -77,13 +77,13 @@ def test_bf16_cpu_matmul_set_per_backend_compiles_saves_and_loads(
 
 
 def test_torchs_autograd_cache_off_serves_without_the_disk_cache_naming_the_setting(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     """AOTAutograd hands out a savable function only through its own cache."""
     import torch._functorch.config as functorch_config
 
-    monkeypatch.setattr(functorch_config, "enable_autograd_cache", False)
-    with warnings.catch_warnings(record=True) as caught:
+    with functorch_config.patch(enable_autograd_cache=False), \
+            warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", CacheWarning)
         _serve(tmp_path / "cache")
     [warning] = [str(w.message) for w in caught if issubclass(w.category, CacheWarning)]
