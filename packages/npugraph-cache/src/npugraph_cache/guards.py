@@ -42,6 +42,8 @@ _MAX_DEPTH = 8
 # process that loads)
 _DYNAMO_IMPORTS = ("['__import_", "['__builtins_dict_")
 _ENVIRON = "__import__('os').environ"
+_IDENTITY_GUARDS = frozenset({"BUILTIN_MATCH", "CLASS_MATCH", "ID_MATCH"})
+_BARE_GLOBAL = re.compile(r"G\['[^']+'\]\Z")
 _SCALARS = frozenset({"NoneType", "bool", "int", "float", "str"})
 
 
@@ -112,6 +114,10 @@ class ValueGuards:
             if not isinstance(value, enum.Enum):
                 return None
         elif guard_type not in VALUE_GUARDS | FUNCTION_GUARDS:
+            return None
+        if guard_type in _IDENTITY_GUARDS and name.startswith("G[") and not _BARE_GLOBAL.match(name):
+            # ``G['torch'].relu``: a library's own function, fixed by the versions in the key;
+            # a global is checked on every call, so only ``ACT = torch.tanh`` itself is kept
             return None
         return name if _rooted(name, self_name) else None
 
