@@ -8,6 +8,7 @@ is unpickled."""
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
@@ -210,7 +211,12 @@ class CompiledGraph:
         self.name = state["name"]
         self.device = torch.device(state["device"])
         self.eager_reason = state["eager_reason"]
-        self._build()
+        # TORCH_COMPILE_DEBUG=1 on a warm start: this graph's dumps (read here first: a warm
+        # start imports no dfx module otherwise)
+        debug = begin_debug(None) if os.environ.get("TORCH_COMPILE_DEBUG") == "1" else None
+        if debug is not None:
+            debug.loaded(self.name)
+        self._build(debug)
 
     def __repr__(self) -> str:
         how = f"eager ({self.eager_reason})" if self.eager_reason else "captured"

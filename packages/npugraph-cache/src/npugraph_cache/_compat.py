@@ -43,7 +43,7 @@ def aot_compile(
     kwargs: dict[str, Any],
     backend: Backend,
     dynamic: bool,
-    value_guards: Callable[[str, str], bool] | None = None,
+    value_guards: Callable[[str, str, Any], str | None] | None = None,
     recorded: list[str] | None = None,
     parameter_guards: bool = True,
 ) -> Any:
@@ -55,8 +55,9 @@ def aot_compile(
     which torch.compile does but aot_compile cannot (TensorifyScalarRestartAnalysis escapes);
     specialising up front gives the graph the restart would have given.
 
-    ``value_guards(guard_type, name)`` selects the guards on values whose source names go to
-    ``recorded`` (they are checked by npugraph_cache.guards, since torch cannot save them)."""
+    ``value_guards(guard_type, name, value)`` gives the source to keep (or None) of each guard
+    on a value; those go to ``recorded`` (they are checked by npugraph_cache.guards, since
+    torch cannot save them)."""
     import functools
 
     import torch._dynamo.config as dynamo_config
@@ -81,7 +82,7 @@ def aot_compile(
 
 def portable_guard_filter(
     entries: Any,
-    value_guards: Callable[[str, str], bool] | None = None,
+    value_guards: Callable[[str, str, Any], str | None] | None = None,
     recorded: list[str] | None = None,
     parameter_guards: bool = True,
 ) -> list[bool]:
@@ -99,7 +100,10 @@ def portable_guard_filter(
     with ``has_value`` and ``value``; ~0.12 µs a tensor a call): for a compiler whose runtime
     checks the parameters' addresses itself."""
     if value_guards is not None and recorded is not None:
-        recorded.extend(e.name for e in entries if value_guards(e.guard_type, e.name))
+        for e in entries:
+            source = value_guards(e.guard_type, e.name, e.value if e.has_value else None)
+            if source is not None:
+                recorded.append(source)
     return [
         e.guard_type in ("GLOBAL_STATE", "SHAPE_ENV")
         or (
@@ -139,6 +143,24 @@ def changed_sources(compiled: Any) -> list[str]:
         if hashlib.sha256(text.encode()).hexdigest() != src.checksum:
             changed.append(where)
     return changed
+
+
+def unsavable(exc: BaseException) -> str | None:
+    """Why torch's aot_compile made no function it can save, or None for any other error.
+    Checked on torch 2.13.0: the backend's output refused (``BypassAOTAutogradCache``,
+    ``PackageError``); torch's own AOTAutograd cache not writable in strict mode (an OSError: a
+    full disk); and, with ``torch._functorch.config.enable_autograd_cache`` off, AOTAutograd's
+    output without ``serialize`` ("does not implement SerializableCallable")."""
+    if type(exc).__name__ in ("BypassAOTAutogradCache", "PackageError") or isinstance(exc, OSError):
+        return str(exc)
+    if isinstance(exc, RuntimeError) and "does not implement SerializableCallable" in str(exc):
+        import torch._functorch.config as functorch_config
+
+        if not getattr(functorch_config, "enable_autograd_cache", True):
+            return ("torch._functorch.config.enable_autograd_cache is off, e.g. "
+                    "TORCHINDUCTOR_AUTOGRAD_CACHE=0: AOTAutograd's output is savable only with it")
+        return str(exc)
+    return None
 
 
 def serialize_compiled(compiled: Any) -> bytes:

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import difflib
+import functools
 import inspect
+import logging
 import os
 import threading
 import warnings
@@ -45,6 +48,9 @@ from npugraph_cache.rng import RngGraphError, refuse_rng
 from npugraph_cache.store import CacheStore, check_owned
 from npugraph_cache.variants import load_any
 
+# the npugraph_ex logger (TORCH_LOGS=+npugraph_ex once the backend registered it)
+log = logging.getLogger("npugraph_ex")
+
 __all__ = ["Backend", "CacheCompiledFunction", "CacheWarning", "CompileFn", "EntryData",
            "cache_compile", "check_cache_dir", "check_decompositions", "eager_compile_fn"]
 
@@ -52,6 +58,7 @@ Backend = Callable[[torch.fx.GraphModule, list[Any]], Any]
 CompileFn = Callable[[Mapping[str, Any] | None, Mapping[Any, Any] | None], Backend]
 
 _ALLOWED_KWARGS = ("options", "custom_decompositions")
+_USER_KEYWORDS = ("dynamic", "cache_dir", "global_rank", "tp_rank", "pp_rank", "direct_dispatch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,9 +93,6 @@ def eager_compile_fn(
 
 def _eager_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
     return _compat.eager_serializable(gm)
-
-
-_NOT_SAVABLE = ("BypassAOTAutogradCache", "PackageError")
 
 
 class _Uncached:
@@ -156,7 +160,7 @@ class CacheCompiledFunction:
         *,
         dynamic: bool,
         store: CacheStore,
-        rank: str,
+        rank: Callable[[], str],
         options: Mapping[str, Any] | None,
         custom_decompositions: Mapping[Any, Any] | None,
         compile_fn: CompileFn,
@@ -171,7 +175,7 @@ class CacheCompiledFunction:
         self.name: str = self._function.__name__
         self.dynamic = dynamic
         self.store = store
-        self.rank = rank
+        self._rank = rank
         self.options = dict(options) if options is not None else None
         self.custom_decompositions = custom_decompositions
         self.compile_fn = compile_fn
@@ -193,6 +197,13 @@ class CacheCompiledFunction:
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_detached, (getattr(self._function, "__qualname__", self.name),))
+
+    @property
+    def rank(self) -> str:
+        """This process's rank component, read on each miss, not at cache_compile: a model that
+        wraps its methods in ``__init__`` may be built before ``init_process_group``, and its
+        ranks must still get folders and keys of their own (a graph may hold the rank)."""
+        return self._rank()
 
     @property
     def func_dir(self) -> Path:
@@ -376,16 +387,21 @@ class CacheCompiledFunction:
                             )
                         compiled, guards = self._compile_and_save(path, key, args, kwargs)
                         loaded = False
-        except CachePermissionError as exc:
+        except (CachePermissionError, OSError) as exc:  # OSError: a read-only or full disk
+            reason = str(exc) if isinstance(exc, CachePermissionError) else (
+                f"cannot use the cache folder {func_dir} ({type(exc).__name__}: {exc})")
             warnings.warn(
-                f"npugraph_ex cache: {exc}; {self.name} is compiled without the disk cache",
+                f"npugraph_ex cache: {reason}; {self.name} is compiled without the disk cache",
                 CacheWarning,
                 stacklevel=3,
             )
             return self._compile_without_cache(), no_guards, False
         _compat.disable_guard_check(compiled)
-        if not isinstance(compiled, _Uncached):
+        if not isinstance(compiled, _Uncached) and path.is_file():  # else: not saved (warned)
             self.entry_paths.append(path)
+            # TORCH_LOGS=+npugraph_ex: which entry a call got (`npugraph-ex cache show PATH`)
+            log.info("cache: %s %s %s", self.name, "loaded" if loaded else "compiled and saved",
+                     path)
         return compiled, guards, loaded
 
     def _compile_and_save(
@@ -409,7 +425,7 @@ class CacheCompiledFunction:
                 kwargs,
                 checked_backend,
                 self.dynamic,
-                value_guards=lambda kind, name: ValueGuards.kept(kind, name, self_name),
+                value_guards=lambda kind, name, value: ValueGuards.kept(kind, name, self_name, value),
                 recorded=recorded,
                 parameter_guards=self.parameter_guards,
             )
@@ -418,11 +434,12 @@ class CacheCompiledFunction:
             while cause is not None:
                 if isinstance(cause, RngGraphError):
                     raise RngGraphError(str(cause)) from None
-                if type(cause).__name__ in _NOT_SAVABLE:
-                    # The backend's output cannot be saved (torch's aot_compile insists):
-                    # compile normally, without the disk cache, rather than fail.
+                why = _compat.unsavable(cause)
+                if why is not None:
+                    # The backend's output cannot be saved (torch's aot_compile insists): compile
+                    # normally, without the disk cache, rather than fail.
                     warnings.warn(
-                        f"npugraph_ex cache: {qualname} cannot be saved ({cause}); this process "
+                        f"npugraph_ex cache: {qualname} cannot be saved ({why}); this process "
                         "compiles it without the disk cache",
                         CacheWarning,
                         stacklevel=4,
@@ -434,16 +451,6 @@ class CacheCompiledFunction:
         guards = ValueGuards.from_recorded(
             recorded, self_name, self._function.__globals__, self._module
         )
-        try:
-            payload = _compat.serialize_compiled(compiled)
-        except Exception as exc:  # e.g. a backend output that does not pickle
-            warnings.warn(
-                f"npugraph_ex cache: {qualname} compiled but cannot be saved to {path} "
-                f"({type(exc).__name__}: {exc}); this process uses it without the disk cache",
-                CacheWarning,
-                stacklevel=4,
-            )
-            return compiled, guards
         readable = getattr(backend, "readable_code", None)
         metadata = {
             "key": key.fields,
@@ -460,7 +467,17 @@ class CacheCompiledFunction:
             "compiler_code": str(readable()) if callable(readable) else "",
             "value_guards": guards.to_json(),
         }
-        self.store.write(path, encode(metadata, payload, self.store.key))
+        try:
+            payload = _compat.serialize_compiled(compiled)
+            self.store.write(path, encode(metadata, payload, self.store.key))
+        except Exception as exc:  # a backend output that does not pickle; a full disk
+            warnings.warn(
+                f"npugraph_ex cache: {qualname} compiled but cannot be saved to {path} "
+                f"({type(exc).__name__}: {exc}); this process uses it without the disk cache",
+                CacheWarning,
+                stacklevel=4,
+            )
+            return compiled, guards
         self._unfinished = (path, metadata, payload)
         return compiled, guards
 
@@ -512,9 +529,14 @@ def cache_compile(
     """
     unknown = sorted(set(kwargs) - set(_ALLOWED_KWARGS))
     if unknown:
+        # every keyword a user may pass, not just the two **kwargs: a typo of cache_dir must
+        # not read as "cache_dir is not allowed"
+        allowed = [*_USER_KEYWORDS, *_ALLOWED_KWARGS]
+        close = difflib.get_close_matches(unknown[0], allowed, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise CacheArgumentError(
-            f"cache_compile: unknown keyword argument(s) {', '.join(map(repr, unknown))}; "
-            f"allowed: {', '.join(_ALLOWED_KWARGS)}"
+            f"cache_compile: unknown keyword argument(s) {', '.join(map(repr, unknown))}{hint}; "
+            f"allowed: {', '.join(allowed)}"
         )
     if not inspect.ismethod(func):
         raise CacheArgumentError(
@@ -551,7 +573,7 @@ def cache_compile(
         func,
         dynamic=dynamic,
         store=store,
-        rank=rank_component(global_rank, tp_rank, pp_rank),
+        rank=functools.partial(rank_component, global_rank, tp_rank, pp_rank),
         options=options,
         custom_decompositions=decompositions,
         compile_fn=compile_fn or eager_compile_fn,

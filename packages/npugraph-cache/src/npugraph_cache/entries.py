@@ -6,6 +6,7 @@ lookup, though a lookup reads it twice (before and after taking the folder's loc
 
 from __future__ import annotations
 
+import logging
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,7 @@ from npugraph_cache.store import CacheStore
 __all__ = ["COUNTERS", "EntryReader", "Status", "bump"]
 
 COUNTERS = "npugraph_ex_cache"
+log = logging.getLogger("npugraph_ex")
 
 # "hit": loaded and its guards pass; "missing": no such file; "broken": a file that must not or
 # cannot be used (warned); "rejected": a valid entry whose guards reject this call
@@ -102,6 +104,10 @@ class EntryReader:
             if str(path) not in self.warned:
                 self.warned.add(str(path))
                 bump("guard_mismatch")
+                log.info("cache: %s: its guards reject this call (a tensor's dtype, shape or "
+                         "strides, or global state: grad mode, autocast, deterministic "
+                         "algorithms, matmul precision, threads); another variant is used or "
+                         "compiled", path)
             return "rejected", None, none
         bump("loaded")
         self._seed(path, entry.metadata.get("entry_data"))

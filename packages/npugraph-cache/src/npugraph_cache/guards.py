@@ -21,8 +21,12 @@ skipped (documented in the README).
 
 from __future__ import annotations
 
+import ast
 import builtins
+import enum
+import hashlib
 import operator
+import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,15 +36,27 @@ from npugraph_cache import dispatch
 from npugraph_cache.errors import FormatError
 
 VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH"})
-FUNCTION_GUARDS = frozenset({"CLOSURE_MATCH", "FUNCTION_MATCH"})
+# BUILTIN_MATCH: a C function (``self.act = F.gelu``, ``ACT = torch.tanh``); CLASS_MATCH: a class
+FUNCTION_GUARDS = frozenset({"BUILTIN_MATCH", "CLASS_MATCH", "CLOSURE_MATCH", "FUNCTION_MATCH"})
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _MAX_DEPTH = 8
-# modules dynamo itself puts into the globals while tracing (absent in a process that loads)
-_DYNAMO_IMPORTS = "G['__import_"
+# modules and builtins dicts dynamo itself puts into the globals while tracing (absent in a
+# process that loads)
+_DYNAMO_IMPORTS = ("['__import_", "['__builtins_dict_")
+_ENVIRON = "__import__('os').environ"
+_IDENTITY_GUARDS = frozenset({"BUILTIN_MATCH", "CLASS_MATCH", "ID_MATCH"})
+_BARE_GLOBAL = re.compile(r"G\['[^']+'\]\Z")
+_SCALARS = frozenset({"NoneType", "bool", "int", "float", "str"})
 
 
 def describe(value: Any, depth: int = 0) -> Any:
     """A portable, comparable description of a value (tuples, so it compares and hashes)."""
+    if value is os.environ:  # names, and digests of the values (an entry is not encrypted)
+        return ("environ", tuple(sorted(
+            (k, hashlib.sha256(v.encode("utf-8", "surrogateescape")).hexdigest()[:16])
+            for k, v in os.environ.items())))
+    if isinstance(value, enum.Enum):  # before int: an IntEnum member is its own value
+        return ("enum", type(value).__module__, type(value).__qualname__, value.name)
     if value is None or isinstance(value, bool | int | float | str | bytes):
         return (type(value).__name__, value if not isinstance(value, bytes) else value.hex())
     if isinstance(value, tuple | list | frozenset | set) and depth < _MAX_DEPTH:
@@ -50,6 +66,20 @@ def describe(value: Any, depth: int = 0) -> Any:
     if callable(value) and isinstance(qualname, str):
         return ("function", str(getattr(value, "__module__", "")), qualname)
     return ("repr", repr(value))
+
+
+def _rooted(name: str, self_name: str) -> bool:
+    """Whether a guard's source is an expression over the module's globals (``G``) and the
+    module (``self.eps``, ``dict(type(self).__dict__)['SCALE']`` for a class attribute) only,
+    without the globals dynamo itself adds while tracing."""
+    if any(part in name for part in _DYNAMO_IMPORTS):
+        return False
+    try:
+        tree = ast.parse(name, mode="eval")
+    except SyntaxError:
+        return False
+    names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+    return bool(names & {"G", self_name}) and names <= {"G", self_name, *dir(builtins)}
 
 
 def _portable(desc: Any) -> bool:
@@ -72,12 +102,26 @@ class ValueGuards:
     expected: tuple[Any, ...]
 
     @staticmethod
-    def kept(guard_type: str, name: str, self_name: str) -> bool:
-        if guard_type not in VALUE_GUARDS | FUNCTION_GUARDS or name.startswith(_DYNAMO_IMPORTS):
-            return False
-        return name.startswith("G[") or name == self_name or name.startswith(
-            (f"{self_name}.", f"{self_name}[")
-        )
+    def kept(guard_type: str, name: str, self_name: str, value: Any = None) -> str | None:
+        """The source to keep for one of dynamo's guards, or None. ``value``: the guarded
+        value; an identity guard (ID_MATCH) is kept for an enum member (``self.kind =
+        Kind.CAUSAL``), which is described portably by class and name. ``os.environ`` read by
+        the traced code (``os.environ.get("FLAG")``) has no guard on its values in torch (a
+        type check only): that check is kept as one on the whole environment (however the
+        code imported os), so a process started with other variables does not load the
+        entry."""
+        if guard_type == "TYPE_MATCH" and value is os.environ:
+            return _ENVIRON
+        if guard_type == "ID_MATCH":
+            if not isinstance(value, enum.Enum):
+                return None
+        elif guard_type not in VALUE_GUARDS | FUNCTION_GUARDS:
+            return None
+        if guard_type in _IDENTITY_GUARDS and name.startswith("G[") and not _BARE_GLOBAL.match(name):
+            # ``G['torch'].relu``: a library's own function, fixed by the versions in the key;
+            # a global is checked on every call, so only ``ACT = torch.tanh`` itself is kept
+            return None
+        return name if _rooted(name, self_name) else None
 
     @classmethod
     def from_recorded(
@@ -186,6 +230,9 @@ class ValueGuards:
                 got = _evaluator(self.self_name, (source,))(f_globals, module)[0]
             except Exception as exc:
                 return f"{source} cannot be read now ({type(exc).__name__}), was {_show(want)}"
+            if got != want and got[0] == want[0] == "environ":
+                differ = sorted(dict(set(got[1]) ^ set(want[1])))
+                return f"os.environ differs from when compiled in {', '.join(differ[:3])}"
             if got != want:
                 return f"{source} is {_show(got)}, was {_show(want)} when compiled"
         return None
@@ -216,11 +263,30 @@ def _always() -> bool:
     return True
 
 
+def shown_value(desc: Any) -> str:
+    """A stored description (JSON, from a file someone may have written) as a warning shows it."""
+    try:
+        return _show(_from_json(desc))
+    except (IndexError, KeyError, TypeError):
+        return repr(desc)[:60]
+
+
 def _show(desc: Any) -> str:
     if desc[0] == "function":
         return f"function {desc[1]}.{desc[2]}"
+    if desc[0] == "enum":
+        return f"{desc[2]}.{desc[3]}"
+    if desc[0] == "environ":
+        return f"os.environ with {len(desc[1])} variables"
     if desc[0] in ("tuple", "list", "set", "frozenset"):
-        return f"{desc[0]} of {len(desc[1])}"
+        items = desc[1]
+        if all(len(d) == 2 and d[0] in _SCALARS for d in items):  # (4, 12), not "tuple of 2"
+            text = ", ".join(repr(d[1]) for d in items) + ("," if len(items) == 1 else "")
+            brackets = {"tuple": "()", "list": "[]"}.get(desc[0], "{}")
+            shown = f"{brackets[0]}{text}{brackets[1]}"
+            if len(shown) <= 60:
+                return shown
+        return f"{desc[0]} of {len(items)}"
     return repr(desc[1])[:60]
 
 

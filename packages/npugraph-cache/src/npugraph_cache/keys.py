@@ -239,6 +239,21 @@ def rank_component(global_rank: int | None, tp_rank: int | None, pp_rank: int | 
     return part
 
 
+def parameter_layouts(module: torch.nn.Module) -> str:
+    """sha256 of every parameter's name, type, dtype, device, shape, stride and requires_grad:
+    what torch's per-call TENSOR_MATCH on parameters checks, which a compiler that checks only
+    their addresses drops (``parameter_guards=False``). The traced graph holds those layouts
+    (``x.to(self.w.dtype)`` is traced as a no-op for an fp32 ``w``; a size is a constant) and
+    the module's repr does not show them: ``model.double()`` or another parameter size gives
+    another entry."""
+    layouts = [
+        (name, type(p).__qualname__, str(p.dtype), str(p.device), list(p.shape),
+         list(p.stride()), p.requires_grad)
+        for name, p in module.named_parameters(remove_duplicate=False)
+    ]
+    return _sha(json.dumps(layouts))
+
+
 def model_info(module: torch.nn.Module, dynamic: bool) -> str:
     """``<Class>_<dynamic|static>_<digest of the module's repr>``: one folder per architecture."""
     return f"{type(module).__name__}_{'dynamic' if dynamic else 'static'}_{_sha(str(module))[:16]}"
@@ -273,6 +288,7 @@ def build_key(
         "forward_source": source_digest(type(module).forward),
         "module_class": f"{type(module).__module__}.{type(module).__qualname__}",
         "module_repr": _sha(str(module)),
+        "parameters": parameter_layouts(module),
         "dynamic": dynamic,
         "options": options_digest(options),
         "custom_decompositions": decompositions_digest(custom_decompositions),

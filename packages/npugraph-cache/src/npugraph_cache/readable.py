@@ -23,6 +23,7 @@ from npugraph_cache.errors import (
     FormatError,
     describe,
 )
+from npugraph_cache.guards import shown_value
 from npugraph_cache.store import CacheStore
 
 _RULE = "=" * 100
@@ -79,9 +80,14 @@ def render(metadata: dict[str, Any], path: Path, authenticated: bool = True) -> 
     guards = _mapping(metadata, "value_guards")
     sources = guards.get("sources") or []
     if sources:
+        expected = guards.get("expected")
+        shown = expected if isinstance(expected, list) and len(expected) == len(sources) else []
         lines += _section(
-            "values the traced code read (checked on load and on every call)",
-            "\n".join(map(str, sources)),
+            "values the traced code read, as compiled (another value selects or compiles "
+            "another entry; globals and closure cells are checked on every call, the rest when "
+            "an entry is picked)",
+            "\n".join(f"{source} = {shown_value(value)}" if shown else str(source)
+                      for source, value in zip(sources, shown or sources, strict=True)),
         )
     lines += _section("graph code (dynamo graph)", str(metadata.get("graph_code") or "(none)"))
     if metadata.get("compiler_code"):

@@ -152,10 +152,11 @@ def read_private(path: Path) -> bytes | None:
     except OSError as exc:
         reason = "not a regular file (a symbolic link)" if path.is_symlink() else f"unreadable: {exc.strerror}"
         raise CacheEntryError(path, reason) from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):  # before fdopen, which refuses a folder
+        os.close(fd)
+        raise CacheEntryError(path, "not a regular file (a link or a folder)")
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode):
-            raise CacheEntryError(path, "not a regular file (a link or a folder)")
         uid = _uid()
         if uid is not None and st.st_uid != uid:
             raise CacheEntryError(path, f"owned by uid {st.st_uid}, not the current user")

@@ -8,6 +8,7 @@ appended when torch.distributed is initialised)::
       debug.log                                   the npugraph_ex logger at DEBUG
       model__<N>/                                 one per compiled graph, N = 0, 1, ...
         dynamo_out_graph.txt                      the graph dynamo handed over (not via compile_fx)
+        loaded.txt                                instead, for a graph loaded from a saved compile
         forward/000_aot_forward_graph.txt         the AOT inference graph, before any pass
         forward/NNN_aot_forward_graph_after_<pass>.txt   after each pass that ran, NNN increasing
         forward/output_code.py                    the final graph and how it is run
@@ -187,6 +188,17 @@ class DebugSession:
         # The compiler logs each record (time, changed, node counts); this only dumps the graph.
         self._step += 1
         self._dump(f"{self._step:03d}_aot_forward_graph_after_{pass_name}.txt", graph_text(gm))
+
+    def loaded(self, name: str) -> str:
+        """``loaded.txt`` of a graph loaded from a saved compile: why its folder holds no
+        dynamo or per-pass dumps."""
+        return self._dump("loaded.txt", (
+            f"{name} was loaded from a saved compile (npugraph_ex.inference.cache_compile's disk "
+            "cache, or torch's AOTAutograd cache): dynamo, AOT and the passes did not run in "
+            "this process, so there is no dynamo_out_graph.txt and no per-pass graph here.\n"
+            "forward/output_code.py is the loaded graph; graph_*.json are this process's "
+            "captures of it. `npugraph-ex cache show ENTRY` prints the graphs the compiling "
+            "process saw (`npugraph-ex cache ls CACHE_DIR` lists the entries).\n"), in_phase=False)
 
     def output_code(self, gm: torch.fx.GraphModule, summary: Mapping[str, object]) -> str:
         """``forward/output_code.py``: the final graph as a module class, plus how it is run

@@ -330,10 +330,24 @@ def environment() -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "mkldnn": bool(torch.backends.mkldnn.enabled),
         "deterministic": torch.are_deterministic_algorithms_enabled(),
-        "matmul_precision": torch.get_float32_matmul_precision(),
+        "matmul_precision": _matmul_precision(),
         "flush_denormal": _flush_denormal(),
         "labels": "op binding copy_into out_public out_overload",  # this module's candidates
     }
+
+
+def _matmul_precision() -> list[str]:
+    """The float32 matmul precision, legacy and per backend. torch's legacy getter raises once
+    only the per-backend setting was used (``torch.backends.mkldnn.matmul.fp32_precision =
+    "bf16"``, torch 2.9+), and a bf16 CPU matmul is other kernel code than an fp32 one."""
+    try:
+        legacy = torch.get_float32_matmul_precision()
+    except RuntimeError:  # "mix of the legacy and new APIs"
+        legacy = "per-backend"
+    mkldnn = torch.backends.mkldnn
+    return [legacy, str(getattr(torch.backends, "fp32_precision", None)),
+            *(str(getattr(getattr(mkldnn, part, None), "fp32_precision", None))
+              for part in ("matmul", "conv", "rnn"))]
 
 
 def _flush_denormal() -> bool:
