@@ -394,6 +394,9 @@ class GraphedCallable:
                 self._stop_copying(key, copied)
                 return self._reselect(key, args, run)
             sources = copied.sources(args)
+            if copied.lives(sources):  # a request's cache: its own capture, no copies
+                self._stop_copying(key, copied)
+                return self._reselect(key, args, run)
             copy(copied.buffers, sources)
             sub = copied.substitute(args)
             inner = copied.inner
