@@ -161,6 +161,9 @@ class GraphedCallable:
         self._bound: weakref.WeakSet[_Variants] = weakref.WeakSet()
         # keys whose mutated inputs come at a new address on every call (copied_inputs)
         self._copied: dict[Key, CopiedInputs] = {}
+        # keys whose every capture was released as orphaned -> their static inputs then new
+        # (_renewed): the key's next call tells whether they are new on every call
+        self._orphaned: dict[Key, dict[int, int]] = {}
         self._lock = threading.RLock()
 
     # ---- the hot path -------------------------------------------------------------------
@@ -354,16 +357,15 @@ class GraphedCallable:
         if gone is None:
             if choice.reason == STATIC_INPUT_CHANGE:  # another model: is an earlier one gone?
                 released = self._release_orphans()
-                churn = next((c for c in released if c.key == key and c.new_tensor
-                              and not c.replayed[0]), None)
-                if churn is not None and new_tensor:
+                renewed = next((r for c in released if c.key == key
+                                and (r := _renewed(c, self._slots.static))), None)
+                if renewed and new_tensor:
                     # a static input (a buffer the forward re-binds, ``self.steps =
                     # self.steps + 1``) that is new on every call: read from a buffer of the
                     # key's own, refilled before each replay
-                    churned = [i for i in self._slots.static
-                               if tensor(args, i).data_ptr() != churn.addresses.get(i)]
-                    if CopiedInputs.eligible(churned, args):
-                        return self._start_copying(key, args, CopiedInputs(churned, args))
+                    out = self._copy_statics(key, args, renewed)
+                    if out is not _MISS:
+                        return out
             return self._another(key, args, choice.reason, new_tensor)
         if new_tensor and gone.new_tensor and not gone.replayed[0] and gone.dropped():
             # a capture made for a new tensor, dropped before any later call replayed it: this
@@ -373,6 +375,14 @@ class GraphedCallable:
             if CopiedInputs.eligible(churned, args):
                 return self._start_copying(key, args, CopiedInputs(churned, args, churned))
         return self._capture(key, args, choice.reason, replacing=gone, new_tensor=new_tensor)
+
+    def _copy_statics(self, key: Key, args: Args, renewed: dict[int, int]) -> object:
+        """Copy the static inputs of ``renewed`` (see _renewed) that this call passes anew, if
+        they can be; else _MISS."""
+        churned = [i for i, ptr in renewed.items() if tensor(args, i).data_ptr() != ptr]
+        if not CopiedInputs.eligible(churned, args):
+            return _MISS
+        return self._start_copying(key, args, CopiedInputs(churned, args))
 
     def _start_copying(self, key: Key, args: Args, copied: CopiedInputs) -> object:
         """From now on ``key``'s calls copy those mutated inputs into buffers of the key's own and
@@ -469,6 +479,14 @@ class GraphedCallable:
             self._fall_back(CAPTURE_LIMIT)
             return self._fn(*args)
         self._slots.watch_buffers(args)  # before any replay closure reads the watched inputs
+        renewed = self._orphaned.pop(key, None)
+        if renewed is not None and not self._policy.force_recapture:
+            # every capture of this key was released, its static inputs dropped (another key's
+            # call found them so: dynamic shapes, a buffer re-bound on every call)
+            out = self._copy_statics(key, args, renewed)
+            if out is not _MISS:
+                return out
+            return self._capture(key, args, STATIC_INPUT_CHANGE, new_tensor=True)
         return self._capture(key, args, NEW_KEY)
 
     def _release_orphans(self) -> list[Capture]:
@@ -487,6 +505,7 @@ class GraphedCallable:
         for key in list(self._captures):
             kept = [c for c in self._captures[key] if c not in gone]
             if not kept:
+                self._orphaned[key] = _renewed(self._captures[key][-1], self._slots.static)
                 del self._captures[key]
                 self._runs.pop(key, None)
                 continue
@@ -660,6 +679,7 @@ class GraphedCallable:
             variants.by_run.clear()
         self._captures.clear()
         self._copied.clear()
+        self._orphaned.clear()
         self._total = 0
         for cap in captures:
             cap.release()
@@ -750,6 +770,16 @@ class _Variants:
 def _needs_grad(args: Args) -> bool:
     return torch.is_grad_enabled() and any(
         isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
+def _renewed(c: Capture, static: Sequence[int]) -> dict[int, int]:
+    """The static inputs of ``c``, a capture made for a new tensor and released unreplayed as
+    orphaned, that nothing else referenced (a buffer re-bound on every call, not the parameters
+    that tell another instance apart), with their addresses; {} for any other capture."""
+    if not c.new_tensor or c.replayed[0]:
+        return {}
+    new = {id(c.args[i]) for i in c.orphans}
+    return {i: c.addresses[i] for i in static if id(c.args[i]) in new}
 
 
 def _noting_replays(replayed: list[bool], replay: Callable[[], None]) -> Callable[[], None]:

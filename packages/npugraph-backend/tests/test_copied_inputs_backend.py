@@ -1,0 +1,70 @@
+"""A forward that re-binds its buffers on every call (``self.scale = self.scale * 0.95``) through one
+FX graph that serves several module instances, or several shapes (dynamic=True): each call
+released the capture of the other instance (or key), whose buffer it found dropped, so no key
+ever saw its own capture go unreplayed and every call captured again (24 captures in 12 calls of
+two instances). The buffers that were new, not the parameters that tell the instances apart, are
+copied into buffers of each key's own; every result and buffer equals eager's."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+CALLS = 16
+
+
+class Decaying(torch.nn.Module):
+    """Two buffers re-bound on every call, between two parameters (frozen_parameter checks the
+    first and the last static input only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 16)
+        self.register_buffer("scale", torch.ones(16))
+        self.register_buffer("peak", torch.zeros(16))
+        self.out = torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.proj(x))
+        self.scale = self.scale * 0.95
+        self.peak = torch.maximum(self.peak, h.amax(0))
+        return self.out(h * self.scale / (1.0 + self.peak))
+
+
+def _made() -> int:
+    return sum(v for k, v in counters["npugraph_ex"].items()
+               if k.startswith(("capture_due", "recapture_due")))
+
+
+@pytest.mark.parametrize(("instances", "sizes", "options"), [
+    (2, (4,), {}), (2, (4,), {"frozen_parameter": True}), (2, (4,), {"clone_input": False}),
+    (1, (2, 4, 6), {}), (2, (2, 4, 6), {}),
+], ids=["two-instances", "two-instances-frozen", "two-instances-no-clone-input", "dynamic",
+        "dynamic-two-instances"])
+def test_rebound_buffers_of_instances_and_shapes_replay(
+    instances: int, sizes: tuple[int, ...], options: dict[str, Any]
+) -> None:
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    models = [Decaying() for _ in range(instances)]
+    eagers = [copy.deepcopy(m) for m in models]
+    compiled = [torch.compile(m, backend="npugraph_ex", options=options,
+                              dynamic=len(sizes) > 1) for m in models]
+    made = []
+    with torch.no_grad():
+        for call in range(CALLS):
+            for model, eager, fn in zip(models, eagers, compiled, strict=True):
+                x = torch.randn(sizes[call % len(sizes)], 8)
+                torch.testing.assert_close(fn(x), eager(x))
+                torch.testing.assert_close(model.scale, eager.scale)
+                torch.testing.assert_close(model.peak, eager.peak)
+            made.append(_made())
+    ours = counters["npugraph_ex"]
+    assert made[0] >= 1 and not any(k.startswith("eager_") for k in ours)
+    assert made[-1] == made[CALLS // 2 + 2], made  # replays from then on
+    assert sum(v for k, v in ours.items() if k.startswith("copied_inputs")) >= 1
