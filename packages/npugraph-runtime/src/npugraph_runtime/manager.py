@@ -486,7 +486,8 @@ class GraphedCallable:
             out = self._copy_statics(key, args, renewed)
             if out is not _MISS:
                 return out
-            return self._capture(key, args, STATIC_INPUT_CHANGE, new_tensor=True)
+            # as new (a swapped model's key warms up again), noting whether a call replays it
+            return self._capture(key, args, NEW_KEY, new_tensor=True)
         return self._capture(key, args, NEW_KEY)
 
     def _release_orphans(self) -> list[Capture]:
