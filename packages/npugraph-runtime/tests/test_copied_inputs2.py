@@ -74,3 +74,23 @@ def test_two_long_requests_in_turn_after_one_call_requests_are_not_copied() -> N
             torch.testing.assert_close(c, want)
     assert not _copying(fn)
     assert len(fn.events) - before == 2, [e.reason for e in fn.events]  # one a request
+
+
+def test_more_tensors_in_turn_than_capture_limit_stay_copied() -> None:
+    """Six live caches served in turn, capture_limit=4: a capture each would not fit, so the key
+    keeps copying (leaving it made every call capture, replacing a capture still in use)."""
+    torch.manual_seed(2)
+    w = torch.randn(8, 8)
+    fn = make_graphed_callable(decode, (torch.zeros(4, 8), torch.randn(4, 8), w),
+                               static_argnums=(2,), mutated_argnums=(0,), capture_limit=4)
+    _one_call_requests(fn, w)
+    before = len(fn.events)
+    caches = [torch.randn(4, 8) for _ in range(6)]
+    wants = [c.clone() for c in caches]
+    for step in range(6 * STEPS):
+        k = step % len(caches)
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(fn(caches[k], x, w), decode(wants[k], x, w))
+        torch.testing.assert_close(caches[k], wants[k])
+    assert _copying(fn) and not fn.fell_back
+    assert len(fn.events) == before, [e.reason for e in fn.events]

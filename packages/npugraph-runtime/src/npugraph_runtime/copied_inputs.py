@@ -92,6 +92,11 @@ class CopiedInputs:
         self.seen[ids] = ([weakref.ref(t) for t in tensors], calls)
         return calls >= LIVES
 
+    def live(self) -> int:
+        """The sets of mutated tensors seen lately that the caller still holds: each would get a
+        capture of its own once the key leaves this mode."""
+        return sum(all(r() is not None for r in refs) for refs, _ in self.seen.values())
+
     @staticmethod
     def eligible(slots: Sequence[int], args: Args) -> bool:
         """Every tensor of ``slots`` is the whole of its storage and shares it with no other

@@ -404,7 +404,10 @@ class GraphedCallable:
                 self._stop_copying(key, copied)
                 return self._reselect(key, args, run)
             sources = copied.sources(args)
-            if copied.lives(sources):  # a request's cache: its own capture, no copies
+            # a request's cache: its own capture, no copies; not where the tensors the caller
+            # keeps in turn are more than capture_limit allows captures (each call would capture)
+            if copied.lives(sources) and (
+                    self._total + copied.live() < self._policy.capture_limit):
                 self._stop_copying(key, copied)
                 return self._reselect(key, args, run)
             copy(copied.buffers, sources)
