@@ -89,6 +89,8 @@ class CopiedInputs:
             calls = was[1] + 1
         elif len(self.seen) >= 4 * LIVES:  # new tensors on every call: forget the dead ones
             self.seen = {k: v for k, v in self.seen.items() if all(r() is not None for r in v[0])}
+            if len(self.seen) >= 4 * LIVES:  # many live ones in turn: copied, as they come
+                self.seen.clear()
         self.seen[ids] = ([weakref.ref(t) for t in tensors], calls)
         return calls >= LIVES
 
