@@ -68,3 +68,43 @@ def test_rebound_buffers_of_instances_and_shapes_replay(
     assert made[0] >= 1 and not any(k.startswith("eager_") for k in ours)
     assert made[-1] == made[CALLS // 2 + 2], made  # replays from then on
     assert sum(v for k, v in ours.items() if k.startswith("copied_inputs")) >= 1
+
+
+class Layer(torch.nn.Module):
+    """A layer updating its first half's result in place across a graph break, and re-binding a
+    buffer: one FX graph for the second halves of every layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 16)
+        self.register_buffer("n", torch.zeros(()))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        r = self.a(h)
+        torch._dynamo.graph_break()
+        r.add_(torch.tanh(self.b(r)))
+        self.n = self.n + 1
+        return r * (1 + self.n) / CALLS
+
+
+def test_a_rebound_buffer_beside_a_result_updated_across_a_break_replays() -> None:
+    """Under clone_output the second half's in-place input (the first half's result) is new on
+    every call, and so is its re-bound buffer: the key copied one of them and captured for the
+    other on every call of every layer (3 captures a call); both are copied now."""
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Layer(), Layer(), Layer())
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="npugraph_ex", options={"clone_output": True})
+    made = []
+    with torch.no_grad():
+        for _ in range(CALLS):
+            x = torch.randn(4, 16)
+            torch.testing.assert_close(compiled(x), eager(x))
+            for ours, theirs in zip(model, eager, strict=True):
+                torch.testing.assert_close(ours.n, theirs.n)
+            made.append(_made())
+    assert not any(k.startswith("eager_") for k in counters["npugraph_ex"])
+    assert made[-1] == made[CALLS // 2], made

@@ -61,16 +61,17 @@ class CopiedInputs:
                  "written_buffers")
 
     def __init__(self, slots: Sequence[int], args: Args, mutated: Sequence[int] = ()) -> None:
-        self.slots = list(slots)
+        self.slots: list[int] = []
         self.buffers: list[torch.Tensor] = []
-        for i in self.slots:
-            t: torch.Tensor = args[i]  # type: ignore[assignment]
-            self.buffers.append(torch.empty_strided(t.size(), t.stride(), dtype=t.dtype,
-                                                    device=t.device))
-        self.layouts = [(b.stride(), b.dtype, b.untyped_storage().nbytes()) for b in self.buffers]
-        self.by_storage = {storage_ptr(b): k for k, b in enumerate(self.buffers)}
-        self.written = [k for k, i in enumerate(self.slots) if i in mutated]
-        self.written_buffers = [self.buffers[k] for k in self.written]
+        self.layouts: list[tuple[tuple[int, ...], torch.dtype, int]] = []
+        self.by_storage: dict[int, int] = {}
+        self.written: list[int] = []
+        self.written_buffers: list[torch.Tensor] = []
+        self.add(slots, args)
+        for k, i in enumerate(self.slots):
+            if i in mutated:
+                self.written.append(k)
+                self.written_buffers.append(self.buffers[k])
         self.inner: Callable[[Args], object] | None = None
         # ids of the mutated tensors of recent calls -> (weak references to them, calls seen)
         self.seen: dict[tuple[int, ...], tuple[list[weakref.ref[torch.Tensor]], int]] = {}
@@ -98,6 +99,19 @@ class CopiedInputs:
         """The sets of mutated tensors seen lately that the caller still holds: each would get a
         capture of its own once the key leaves this mode."""
         return sum(all(r() is not None for r in refs) for refs, _ in self.seen.values())
+
+    def add(self, slots: Sequence[int], args: Args, written: bool = False) -> None:
+        """Buffers for ``slots`` too (``written``: mutated inputs, copied back after a replay)."""
+        for i in slots:
+            t: torch.Tensor = args[i]  # type: ignore[assignment]
+            b = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+            if written:
+                self.written.append(len(self.buffers))
+                self.written_buffers.append(b)
+            self.by_storage[storage_ptr(b)] = len(self.buffers)
+            self.slots.append(i)
+            self.buffers.append(b)
+            self.layouts.append((b.stride(), b.dtype, b.untyped_storage().nbytes()))
 
     @staticmethod
     def eligible(slots: Sequence[int], args: Args) -> bool:

@@ -352,8 +352,9 @@ class GraphedCallable:
         choice = choose(self.name, self._slots, caps, args, capture_core_limit(),
                         self._total < self._policy.capture_limit)
         gone = choice.replacing
+        # (while the key copies some inputs, others may be new on every call too: _copy_more)
         new_tensor = (choice.reason in (MUTATED_INPUT_CHANGE, STATIC_INPUT_CHANGE)
-                      and key not in self._copied and not self._policy.force_recapture)
+                      and not self._policy.force_recapture)
         if gone is None:
             if choice.reason == STATIC_INPUT_CHANGE:  # another model: is an earlier one gone?
                 released = self._release_orphans()
@@ -363,7 +364,11 @@ class GraphedCallable:
                     # a static input (a buffer the forward re-binds, ``self.steps =
                     # self.steps + 1``) that is new on every call: read from a buffer of the
                     # key's own, refilled before each replay
-                    out = self._copy_statics(key, args, renewed)
+                    copied = self._copied.get(key)
+                    out = (self._copy_statics(key, args, renewed) if copied is None
+                           else self._copy_more(key, args, copied, [
+                               i for i, ptr in renewed.items()
+                               if tensor(args, i).data_ptr() != ptr]))
                     if out is not _MISS:
                         return out
             return self._another(key, args, choice.reason, new_tensor)
@@ -372,7 +377,12 @@ class GraphedCallable:
             # input is new on every call, and each call would capture
             churned = [i for i, ref in zip(self._slots.mutated, gone.callers, strict=True)
                        if ref() is None]
-            if CopiedInputs.eligible(churned, args):
+            copied = self._copied.get(key)
+            if copied is not None:
+                out = self._copy_more(key, args, copied, churned, written=True, replacing=gone)
+                if out is not _MISS:
+                    return out
+            elif CopiedInputs.eligible(churned, args):
                 return self._start_copying(key, args, CopiedInputs(churned, args, churned))
         return self._capture(key, args, choice.reason, replacing=gone, new_tensor=new_tensor)
 
@@ -383,6 +393,22 @@ class GraphedCallable:
         if not CopiedInputs.eligible(churned, args):
             return _MISS
         return self._start_copying(key, args, CopiedInputs(churned, args))
+
+    def _copy_more(self, key: Key, args: Args, copied: CopiedInputs, churned: list[int],
+                   written: bool = False, replacing: Capture | None = None) -> object:
+        """The key copies some inputs already (``args`` hold its buffers): copy ``churned`` too
+        (``written``: mutated ones, copied back), and capture over them; _MISS where they cannot
+        be. A layer's re-bound buffer beside the other graph's result it updates in place."""
+        churned = [i for i in churned if i not in copied.slots]
+        if not CopiedInputs.eligible(churned, args):
+            return _MISS
+        copied.add(churned, args, written)
+        sub = copied.substitute(args)
+        self._copy([tensor(sub, i) for i in churned], [tensor(args, i) for i in churned])
+        self._counters.count_copied(len(churned))
+        if replacing is not None:
+            return self._capture(key, sub, MUTATED_INPUT_CHANGE, replacing=replacing)
+        return self._another(key, sub, STATIC_INPUT_CHANGE)
 
     def _start_copying(self, key: Key, args: Args, copied: CopiedInputs) -> object:
         """From now on ``key``'s calls copy those mutated inputs into buffers of the key's own and
@@ -423,6 +449,7 @@ class GraphedCallable:
                     latest = self._runs.get(key)
                     copied.inner = latest if latest is not run else None
                     self._runs[key] = run
+                sources = copied.sources(args)  # with any input it copies from now on
             if copied.written:
                 copy([sources[k] for k in copied.written], copied.written_buffers)
             return copied.remap(out, sources)
