@@ -72,7 +72,8 @@ class Capture:
     """One captured graph and what its replay closure needs kept alive."""
 
     __slots__ = ("__weakref__", "addresses", "args", "buffers", "callers", "core_limit", "graph",
-                 "holds", "key", "lent", "mirrored", "new_tensor", "outputs", "own_refs", "plan",
+                 "holds", "key", "lent", "mirrored", "new_tensor", "orphans", "outputs", "own_refs",
+                 "plan",
                  "replay", "replayed", "watched_ptrs")
 
     def __init__(
@@ -94,6 +95,9 @@ class Capture:
         # (static input index, references to the tensor object and uses of its storage that the
         # capture itself holds): see orphaned_captures
         self.own_refs: list[tuple[int, int, int]] = []
+        # of those inputs, the ones nothing else referenced when orphaned_captures last looked:
+        # another instance's re-bound buffer, not its parameters (copied_inputs)
+        self.orphans: list[int] = []
         # the undos of what this capture keeps of other captures' outputs (Holds.lend)
         self.lent: list[Callable[[], None]] = []
         # made for a mutated tensor at a new address: whether a later call replays it tells a
@@ -151,7 +155,8 @@ def orphaned_captures(caps: Sequence[Capture]) -> list[Capture]:
     A reference held elsewhere keeps a capture: to the tensor object (a live module, another
     callable's capture), or to its memory through another tensor (a per-call view of a live
     weight passed as the static input, ``w.t()``: that view object is only ours, its storage is
-    not). No local names a static input here: it would be one more reference."""
+    not). No local names a static input here: it would be one more reference. Each capture's
+    ``orphans`` are set to the inputs that nothing else references."""
     objects: dict[int, int] = {}
     storages: dict[int, int] = {}
     for c in caps:
@@ -160,10 +165,14 @@ def orphaned_captures(caps: Sequence[Capture]) -> list[Capture]:
             key = _storage_key(c.args[i])
             storages[key] = storages.get(key, 0) + m
     # beyond those counted: getrefcount's own argument, and the tensor's own use of its storage
-    return [c for c in caps if any(
-        sys.getrefcount(c.args[i]) - 1 <= objects[id(c.args[i])]
-        and storage_uses(c.args[i]) - 1 <= storages[_storage_key(c.args[i])]  # type: ignore[arg-type]
-        for i, _, _ in c.own_refs)]
+    gone = []
+    for c in caps:
+        c.orphans = [i for i, _, _ in c.own_refs
+                     if sys.getrefcount(c.args[i]) - 1 <= objects[id(c.args[i])]
+                     and storage_uses(c.args[i]) - 1 <= storages[_storage_key(c.args[i])]]  # type: ignore[arg-type]
+        if c.orphans:
+            gone.append(c)
+    return gone
 
 
 def _storage_key(t: object) -> int:

@@ -11,7 +11,9 @@ caller's tensors are copied into the key's buffers, the graph runs on the buffer
 it replays), and after it the buffers are copied back into the caller's tensors, which the call
 hands out wherever the graph returns a buffer or a view of one, as eager returns the caller's
 tensor. A request's cache that lives for several calls is replayed before it is dropped, so it
-is never copied (the copies would cost two passes over it a call). A static input that is new on
+is never copied (the copies would cost two passes over it a call); one that comes once the key
+copies (after requests of one call each) is seen on its ``LIVES``-th call, and the key leaves
+this mode for it (``lives``): its own capture replays the rest of the request. A static input that is new on
 every call (a buffer the forward re-binds, ``self.steps = self.steps + 1``: its old tensor is
 dropped, and the capture for it released unreplayed) is copied in the same way, but not back.
 
@@ -22,6 +24,7 @@ leaves this mode for the key (the capture manager's address rules again)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -29,8 +32,13 @@ import torch
 
 from npugraph_runtime.inputs import non_overlapping, storage_ptr
 from npugraph_runtime.keys import Args
+from npugraph_runtime.outputs import is_result
 
-__all__ = ["CopiedInputs"]
+__all__ = ["LIVES", "CopiedInputs"]
+
+# Calls with the same mutated tensors after which they are a request's (lives), not new on each
+# call: a tensor passed two or three times is still cheaper to copy than to capture for
+LIVES = 3
 
 
 def _whole(t: object) -> bool:
@@ -49,21 +57,61 @@ class CopiedInputs:
     key's capture over them (None until one is made). ``written``: the positions among them of
     the mutated inputs, copied back after each replay (a static input is only read)."""
 
-    __slots__ = ("buffers", "by_storage", "inner", "layouts", "slots", "written",
+    __slots__ = ("buffers", "by_storage", "inner", "layouts", "seen", "slots", "written",
                  "written_buffers")
 
     def __init__(self, slots: Sequence[int], args: Args, mutated: Sequence[int] = ()) -> None:
-        self.slots = list(slots)
+        self.slots: list[int] = []
         self.buffers: list[torch.Tensor] = []
-        for i in self.slots:
-            t: torch.Tensor = args[i]  # type: ignore[assignment]
-            self.buffers.append(torch.empty_strided(t.size(), t.stride(), dtype=t.dtype,
-                                                    device=t.device))
-        self.layouts = [(b.stride(), b.dtype, b.untyped_storage().nbytes()) for b in self.buffers]
-        self.by_storage = {storage_ptr(b): k for k, b in enumerate(self.buffers)}
-        self.written = [k for k, i in enumerate(self.slots) if i in mutated]
-        self.written_buffers = [self.buffers[k] for k in self.written]
+        self.layouts: list[tuple[tuple[int, ...], torch.dtype, int]] = []
+        self.by_storage: dict[int, int] = {}
+        self.written: list[int] = []
+        self.written_buffers: list[torch.Tensor] = []
+        self.add(slots, args)
+        for k, i in enumerate(self.slots):
+            if i in mutated:
+                self.written.append(k)
+                self.written_buffers.append(self.buffers[k])
         self.inner: Callable[[Args], object] | None = None
+        # ids of the mutated tensors of recent calls -> (weak references to them, calls seen)
+        self.seen: dict[tuple[int, ...], tuple[list[weakref.ref[torch.Tensor]], int]] = {}
+
+    def lives(self, sources: Sequence[torch.Tensor]) -> bool:
+        """The mutated tensors of this call came on ``LIVES`` calls (a request's cache, alone or
+        in turn with others'): the address rules serve them with no copies. Not a state fed
+        back (``h = f(h, x)``), which is the static output of one capture or another in turn."""
+        tensors = [sources[k] for k in self.written]
+        if not tensors or any(map(is_result, tensors)):
+            return False  # a state fed back: a capture's outputs, passed in turn
+        ids = tuple(map(id, tensors))
+        was = self.seen.get(ids)
+        calls = 1
+        if was is not None and all(r() is t for r, t in zip(was[0], tensors, strict=True)):
+            calls = was[1] + 1
+        elif len(self.seen) >= 4 * LIVES:  # new tensors on every call: forget the dead ones
+            self.seen = {k: v for k, v in self.seen.items() if all(r() is not None for r in v[0])}
+            if len(self.seen) >= 4 * LIVES:  # many live ones in turn: copied, as they come
+                self.seen.clear()
+        self.seen[ids] = ([weakref.ref(t) for t in tensors], calls)
+        return calls >= LIVES
+
+    def live(self) -> int:
+        """The sets of mutated tensors seen lately that the caller still holds: each would get a
+        capture of its own once the key leaves this mode."""
+        return sum(all(r() is not None for r in refs) for refs, _ in self.seen.values())
+
+    def add(self, slots: Sequence[int], args: Args, written: bool = False) -> None:
+        """Buffers for ``slots`` too (``written``: mutated inputs, copied back after a replay)."""
+        for i in slots:
+            t: torch.Tensor = args[i]  # type: ignore[assignment]
+            b = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+            if written:
+                self.written.append(len(self.buffers))
+                self.written_buffers.append(b)
+            self.by_storage[storage_ptr(b)] = len(self.buffers)
+            self.slots.append(i)
+            self.buffers.append(b)
+            self.layouts.append((b.stride(), b.dtype, b.untyped_storage().nbytes()))
 
     @staticmethod
     def eligible(slots: Sequence[int], args: Args) -> bool:

@@ -161,6 +161,9 @@ class GraphedCallable:
         self._bound: weakref.WeakSet[_Variants] = weakref.WeakSet()
         # keys whose mutated inputs come at a new address on every call (copied_inputs)
         self._copied: dict[Key, CopiedInputs] = {}
+        # keys whose every capture was released as orphaned -> their static inputs then new
+        # (_renewed): the key's next call tells whether they are new on every call
+        self._orphaned: dict[Key, dict[int, int]] = {}
         self._lock = threading.RLock()
 
     # ---- the hot path -------------------------------------------------------------------
@@ -349,30 +352,63 @@ class GraphedCallable:
         choice = choose(self.name, self._slots, caps, args, capture_core_limit(),
                         self._total < self._policy.capture_limit)
         gone = choice.replacing
+        # (while the key copies some inputs, others may be new on every call too: _copy_more)
         new_tensor = (choice.reason in (MUTATED_INPUT_CHANGE, STATIC_INPUT_CHANGE)
-                      and key not in self._copied and not self._policy.force_recapture)
+                      and not self._policy.force_recapture)
         if gone is None:
             if choice.reason == STATIC_INPUT_CHANGE:  # another model: is an earlier one gone?
                 released = self._release_orphans()
-                churn = next((c for c in released if c.key == key and c.new_tensor
-                              and not c.replayed[0]), None)
-                if churn is not None and new_tensor:
+                renewed = next((r for c in released if c.key == key
+                                and (r := _renewed(c, self._slots.static))), None)
+                if renewed and new_tensor:
                     # a static input (a buffer the forward re-binds, ``self.steps =
                     # self.steps + 1``) that is new on every call: read from a buffer of the
                     # key's own, refilled before each replay
-                    churned = [i for i in self._slots.static
-                               if tensor(args, i).data_ptr() != churn.addresses.get(i)]
-                    if CopiedInputs.eligible(churned, args):
-                        return self._start_copying(key, args, CopiedInputs(churned, args))
+                    copied = self._copied.get(key)
+                    out = (self._copy_statics(key, args, renewed) if copied is None
+                           else self._copy_more(key, args, copied, [
+                               i for i, ptr in renewed.items()
+                               if tensor(args, i).data_ptr() != ptr]))
+                    if out is not _MISS:
+                        return out
             return self._another(key, args, choice.reason, new_tensor)
         if new_tensor and gone.new_tensor and not gone.replayed[0] and gone.dropped():
             # a capture made for a new tensor, dropped before any later call replayed it: this
             # input is new on every call, and each call would capture
             churned = [i for i, ref in zip(self._slots.mutated, gone.callers, strict=True)
                        if ref() is None]
-            if CopiedInputs.eligible(churned, args):
+            copied = self._copied.get(key)
+            if copied is not None:
+                out = self._copy_more(key, args, copied, churned, written=True, replacing=gone)
+                if out is not _MISS:
+                    return out
+            elif CopiedInputs.eligible(churned, args):
                 return self._start_copying(key, args, CopiedInputs(churned, args, churned))
         return self._capture(key, args, choice.reason, replacing=gone, new_tensor=new_tensor)
+
+    def _copy_statics(self, key: Key, args: Args, renewed: dict[int, int]) -> object:
+        """Copy the static inputs of ``renewed`` (see _renewed) that this call passes anew, if
+        they can be; else _MISS."""
+        churned = [i for i, ptr in renewed.items() if tensor(args, i).data_ptr() != ptr]
+        if not CopiedInputs.eligible(churned, args):
+            return _MISS
+        return self._start_copying(key, args, CopiedInputs(churned, args))
+
+    def _copy_more(self, key: Key, args: Args, copied: CopiedInputs, churned: list[int],
+                   written: bool = False, replacing: Capture | None = None) -> object:
+        """The key copies some inputs already (``args`` hold its buffers): copy ``churned`` too
+        (``written``: mutated ones, copied back), and capture over them; _MISS where they cannot
+        be. A layer's re-bound buffer beside the other graph's result it updates in place."""
+        churned = [i for i in churned if i not in copied.slots]
+        if not CopiedInputs.eligible(churned, args):
+            return _MISS
+        copied.add(churned, args, written)
+        sub = copied.substitute(args)
+        self._copy([tensor(sub, i) for i in churned], [tensor(args, i) for i in churned])
+        self._counters.count_copied(len(churned))
+        if replacing is not None:
+            return self._capture(key, sub, MUTATED_INPUT_CHANGE, replacing=replacing)
+        return self._another(key, sub, STATIC_INPUT_CHANGE)
 
     def _start_copying(self, key: Key, args: Args, copied: CopiedInputs) -> object:
         """From now on ``key``'s calls copy those mutated inputs into buffers of the key's own and
@@ -394,6 +430,12 @@ class GraphedCallable:
                 self._stop_copying(key, copied)
                 return self._reselect(key, args, run)
             sources = copied.sources(args)
+            # a request's cache: its own capture, no copies; not where the tensors the caller
+            # keeps in turn are more than capture_limit allows captures (each call would capture)
+            if copied.lives(sources) and (
+                    self._total + copied.live() < self._policy.capture_limit):
+                self._stop_copying(key, copied)
+                return self._reselect(key, args, run)
             copy(copied.buffers, sources)
             sub = copied.substitute(args)
             inner = copied.inner
@@ -407,6 +449,7 @@ class GraphedCallable:
                     latest = self._runs.get(key)
                     copied.inner = latest if latest is not run else None
                     self._runs[key] = run
+                sources = copied.sources(args)  # with any input it copies from now on
             if copied.written:
                 copy([sources[k] for k in copied.written], copied.written_buffers)
             return copied.remap(out, sources)
@@ -466,6 +509,15 @@ class GraphedCallable:
             self._fall_back(CAPTURE_LIMIT)
             return self._fn(*args)
         self._slots.watch_buffers(args)  # before any replay closure reads the watched inputs
+        renewed = self._orphaned.pop(key, None)
+        if renewed is not None and not self._policy.force_recapture:
+            # every capture of this key was released, its static inputs dropped (another key's
+            # call found them so: dynamic shapes, a buffer re-bound on every call)
+            out = self._copy_statics(key, args, renewed)
+            if out is not _MISS:
+                return out
+            # as new (a swapped model's key warms up again), noting whether a call replays it
+            return self._capture(key, args, NEW_KEY, new_tensor=True)
         return self._capture(key, args, NEW_KEY)
 
     def _release_orphans(self) -> list[Capture]:
@@ -484,6 +536,7 @@ class GraphedCallable:
         for key in list(self._captures):
             kept = [c for c in self._captures[key] if c not in gone]
             if not kept:
+                self._orphaned[key] = _renewed(self._captures[key][-1], self._slots.static)
                 del self._captures[key]
                 self._runs.pop(key, None)
                 continue
@@ -657,6 +710,7 @@ class GraphedCallable:
             variants.by_run.clear()
         self._captures.clear()
         self._copied.clear()
+        self._orphaned.clear()
         self._total = 0
         for cap in captures:
             cap.release()
@@ -747,6 +801,16 @@ class _Variants:
 def _needs_grad(args: Args) -> bool:
     return torch.is_grad_enabled() and any(
         isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
+def _renewed(c: Capture, static: Sequence[int]) -> dict[int, int]:
+    """The static inputs of ``c``, a capture made for a new tensor and released unreplayed as
+    orphaned, that nothing else referenced (a buffer re-bound on every call, not the parameters
+    that tell another instance apart), with their addresses; {} for any other capture."""
+    if not c.new_tensor or c.replayed[0]:
+        return {}
+    new = {id(c.args[i]) for i in c.orphans}
+    return {i: c.addresses[i] for i in static if id(c.args[i]) in new}
 
 
 def _noting_replays(replayed: list[bool], replay: Callable[[], None]) -> Callable[[], None]:
