@@ -193,7 +193,10 @@ def test_a_parameter_assigned_while_another_thread_compiles_is_seen_by_cache_com
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, counter: Callable[[str], int],
 ) -> None:
     # the same flag: the cache's count of module assignments skipped the assignment as if it
-    # were traced, and the serving path's direct plan kept the old weight on every later call
+    # were traced, and the serving path's direct plan kept the old weight on every later call.
+    # npugraph-cache is not a dependency of this package: run where it is installed (the root
+    # suite), skipped in this package's own run
+    pytest.importorskip("npugraph_cache")
     from npugraph_backend import npugraph_ex_backend
     from npugraph_cache import cache_compile
     from npugraph_cache.secret import KEY_ENV
