@@ -193,7 +193,8 @@ class Scaled(torch.nn.Module):
 def test_python_values_select_entries(
     tmp_path: Path, cache_warnings: list[warnings.WarningMessage]
 ) -> None:
-    # the int is specialised by a guard (a variant), the float and the bool by the key
+    # the int is specialised by a guard (a variant), the bool by the key; the float is a graph
+    # input (dynamic=True), so 2.0 and 3.0 share an entry
     module = Scaled().eval()
     fn = cache_compile(module.step, cache_dir=tmp_path)
     x = torch.randn(2, 4)
@@ -201,7 +202,7 @@ def test_python_values_select_entries(
         with torch.no_grad():
             want = module.step(x, n, scale, flag)
         torch.testing.assert_close(fn(x, n, scale, flag), want)
-    assert len(set(fn.entry_paths)) == 4
+    assert len(set(fn.entry_paths)) == 3
     assert all(p.exists() for p in fn.entry_paths) and _ours(cache_warnings) == []
 
 

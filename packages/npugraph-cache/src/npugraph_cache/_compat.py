@@ -46,14 +46,17 @@ def aot_compile(
     value_guards: Callable[[str, str, Any], str | None] | None = None,
     recorded: list[str] | None = None,
     parameter_guards: bool = True,
+    specialize_float: bool = True,
 ) -> Any:
     """Checked on torch 2.13.0: ``torch.compile(fullgraph=True).aot_compile(((args), {kwargs}))``
     traces ``fn`` once, keeps its guards, and returns an ``AOTCompiledFunction``.
 
-    ``torch._dynamo.config.specialize_float`` is set: with dynamic=True dynamo makes Python
-    floats symbolic and AOT's tensorify pass then asks for a restart with the float specialised,
-    which torch.compile does but aot_compile cannot (TensorifyScalarRestartAnalysis escapes);
-    specialising up front gives the graph the restart would have given.
+    ``specialize_float`` sets ``torch._dynamo.config.specialize_float``. Left False, dynamo
+    makes Python floats graph inputs (a temperature new on every call then needs no new
+    graph); where the code uses one in a way AOT's tensorify pass cannot keep symbolic
+    (``math.exp(t)``, a branch on it) the pass asks for a restart with the float specialised,
+    which torch.compile does but aot_compile cannot: TensorifyScalarRestartAnalysis escapes
+    (``is_scalar_restart``) and the caller compiles again with specialize_float=True.
 
     ``value_guards(guard_type, name, value)`` gives the source to keep (or None) of each guard
     on a value; those go to ``recorded`` (they are checked by npugraph_cache.guards, since
@@ -76,8 +79,35 @@ def aot_compile(
             )
         },
     )
-    with dynamo_config.patch(specialize_float=True):
+    with dynamo_config.patch(specialize_float=specialize_float):
         return compiled.aot_compile((args, kwargs))  # type: ignore[attr-defined]
+
+
+def tensorified_floats(gm: torch.fx.GraphModule) -> list[str]:
+    """Names of the placeholders of dynamo's graph that hold a symbolic Python float (checked on
+    torch 2.13.0 with specialize_float=False: dynamo passes each as a 0-d float64 CPU tensor,
+    named for its source, ``l_t_`` for the argument ``t``). A real 0-d float64 CPU tensor input
+    is listed too; callers treat a listed name they do not expect as a float to specialise."""
+    names = []
+    for node in gm.graph.nodes:
+        value = node.meta.get("example_value") if node.op == "placeholder" else None
+        if (isinstance(value, torch.Tensor) and value.dim() == 0
+                and value.dtype == torch.float64 and value.device.type == "cpu"):
+            names.append(str(node.name))
+    return names
+
+
+def is_scalar_restart(exc: BaseException) -> bool:
+    """Whether aot_compile failed because a symbolic float must be specialised (checked on
+    torch 2.13.0: torch._dynamo.exc.TensorifyScalarRestartAnalysis, raised by AOT's
+    tensorify_python_scalars, or compile_cache's own FloatsSpecialised from a backend, perhaps
+    wrapped by dynamo's BackendCompilerFailed)."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if type(cause).__name__ in ("TensorifyScalarRestartAnalysis", "FloatsSpecialised"):
+            return True
+        cause = cause.__cause__ or cause.__context__
+    return False
 
 
 def portable_guard_filter(

@@ -108,6 +108,13 @@ class _Uncached:
         return self.compiled(*args, **kwargs)
 
 
+class FloatsSpecialised(Exception):
+    """A compile with symbolic floats found one to specialise: one the traced code computes
+    with on the host, or one that is not an argument of the call (a module attribute or a
+    global, whose changes only a specialised entry's value guards see), or a graph on an
+    accelerator (whose capture would keep the CPU scalar's value of the capture)."""
+
+
 def _guarded_by_torch() -> bool:
     """The value check of an entry torch.compile runs: dynamo guards those values itself."""
     return True
@@ -183,6 +190,9 @@ class CacheCompiledFunction:
         self.entry_data = entry_data
         self.parameter_guards = parameter_guards
         self.direct_dispatch = direct_dispatch
+        # dynamic: Python floats are graph inputs (a temperature new on every call reuses the
+        # entry) until a compile finds one the code must specialise; then one entry per value
+        self._float_values = not dynamic
         # (path, metadata, payload) of an entry written before its first call
         self._unfinished: tuple[Path, dict[str, Any], bytes] | None = None
         # a miss (compile or load, then the entry's first call) runs in one thread at a time: a
@@ -218,7 +228,7 @@ class CacheCompiledFunction:
         return self._call(args, kwargs)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        signature = value_signature(args, kwargs, self.dynamic)
+        signature = value_signature(args, kwargs, self.dynamic, self._float_values)
         training = self._module.training
         for entry in self._entries:
             if (entry.signature != signature or entry.training is not training
@@ -245,7 +255,12 @@ class CacheCompiledFunction:
             if (entry.signature == signature and entry.training is training
                     and entry.values_match() and entry.guards_pass(call_args, kwargs)):
                 return self._call_planning(entry, args, call_args, kwargs)
-        compiled, guards, loaded = self._obtain(args, kwargs)
+        try:
+            compiled, guards, loaded = self._obtain(args, kwargs)
+        except FloatsSpecialised:
+            self._float_values = True
+            signature = value_signature(args, kwargs, self.dynamic, True)
+            compiled, guards, loaded = self._obtain(args, kwargs)
         written = _compat.state_writes(compiled)
         check = guards.checker(self._function.__globals__, self._module)
         if written:
@@ -351,6 +366,7 @@ class CacheCompiledFunction:
             custom_decompositions=self.custom_decompositions,
             rank=self.rank,
             key_extra=self.key_extra,
+            float_values=self._float_values,
         )
 
     def _obtain(
@@ -413,7 +429,16 @@ class CacheCompiledFunction:
         self_name = self._self_name
         qualname = getattr(self._function, "__qualname__", self.name)
 
+        float_args = set() if self._float_values else self._float_arguments(args, kwargs)
+        symbolic = bool(float_args)  # else floats specialised, keyed by value (keys.input_spec)
+
         def checked_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            if symbolic:
+                floats = _compat.tensorified_floats(gm)
+                if floats and (not set(floats) <= float_args or any(
+                        isinstance(t, torch.Tensor) and t.device.type != "cpu"
+                        for t in example_inputs)):
+                    raise FloatsSpecialised(", ".join(floats))
             refuse_rng(gm, qualname)
             graph_code.append(gm.print_readable(print_output=False))
             return backend(gm, example_inputs)
@@ -428,8 +453,11 @@ class CacheCompiledFunction:
                 value_guards=lambda kind, name, value: ValueGuards.kept(kind, name, self_name, value),
                 recorded=recorded,
                 parameter_guards=self.parameter_guards,
+                specialize_float=not symbolic,
             )
         except Exception as exc:
+            if symbolic and _compat.is_scalar_restart(exc):
+                raise FloatsSpecialised(str(exc)) from None
             cause: BaseException | None = exc
             while cause is not None:
                 if isinstance(cause, RngGraphError):
@@ -480,6 +508,14 @@ class CacheCompiledFunction:
             return compiled, guards
         self._unfinished = (path, metadata, payload)
         return compiled, guards
+
+    def _float_arguments(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> set[str]:
+        """dynamo's placeholder names of the call's float arguments (``l_t_`` for ``t``)."""
+        try:
+            bound = inspect.signature(self._function).bind(self._module, *args, **kwargs)
+        except TypeError:
+            return set()
+        return {f"l_{name}_" for name, value in bound.arguments.items() if type(value) is float}
 
     def _compile_without_cache(
         self, fullgraph: bool = True, automatic_dynamic: bool = False

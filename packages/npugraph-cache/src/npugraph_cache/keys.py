@@ -109,9 +109,12 @@ def _tensor_spec(t: torch.Tensor, dynamic: bool, symbols: dict[int, str]) -> dic
     }
 
 
-def input_spec(args: tuple[Any, ...], kwargs: Mapping[str, Any], dynamic: bool) -> Any:
+def input_spec(
+    args: tuple[Any, ...], kwargs: Mapping[str, Any], dynamic: bool, float_values: bool = True
+) -> Any:
     """dtypes, devices and shapes (or dynamic dims) of every tensor reachable through lists,
-    tuples, dicts and dataclasses; scalars by type (and value when static, 0/1 when dynamic)."""
+    tuples, dicts and dataclasses; scalars by type (and value when static, 0/1 when dynamic;
+    an argument that is a float by value only when ``float_values``, see _compat.aot_compile)."""
     symbols: dict[int, str] = {}
 
     def walk(value: Any, depth: int) -> Any:
@@ -122,8 +125,8 @@ def input_spec(args: tuple[Any, ...], kwargs: Mapping[str, Any], dynamic: bool) 
         if value is None or isinstance(value, bool | str):
             return value
         if isinstance(value, float):
-            # floats are specialised (see _compat.aot_compile): keyed by value
-            return {"float": value}
+            return {"float": "dynamic" if not (float_values or depth) and type(value) is float
+                    else value}
         if isinstance(value, int):
             if dynamic and value not in (0, 1):
                 # symbolic: a specialisation would be a SHAPE_ENV guard, which is kept
@@ -152,7 +155,7 @@ def input_spec(args: tuple[Any, ...], kwargs: Mapping[str, Any], dynamic: bool) 
 
 
 def value_signature(
-    args: tuple[Any, ...], kwargs: Mapping[str, Any], dynamic: bool
+    args: tuple[Any, ...], kwargs: Mapping[str, Any], dynamic: bool, float_values: bool = True
 ) -> tuple[Any, ...]:
     """The part of the input spec the kept guards do not check (Python values, containers'
     lengths, object types), as a cheap hashable tuple computed on every call: an entry serves a
@@ -170,8 +173,10 @@ def value_signature(
             out.append("<too deep>")
         elif isinstance(value, torch.Tensor):
             out.append(0)
-        elif value is None or isinstance(value, bool | str | float):
+        elif value is None or isinstance(value, bool | str):
             out.append(value)
+        elif isinstance(value, float):
+            out.append(float if not (float_values or depth) and type(value) is float else value)
         elif isinstance(value, int):
             out.append("i" if dynamic and value not in (0, 1) else value)
         elif isinstance(value, list | tuple):
@@ -278,6 +283,7 @@ def build_key(
     custom_decompositions: Mapping[Any, Any] | None,
     rank: str,
     key_extra: Mapping[str, Any] | None = None,
+    float_values: bool = True,
 ) -> CacheKey:
     """key_extra: what the caller's compiler adds (its versions, its options hash, its pass
     identities); JSON-able values."""
@@ -292,7 +298,7 @@ def build_key(
         "dynamic": dynamic,
         "options": options_digest(options),
         "custom_decompositions": decompositions_digest(custom_decompositions),
-        "input_spec": input_spec(args, kwargs, dynamic),
+        "input_spec": input_spec(args, kwargs, dynamic, float_values),
         "rank": rank,
         "extra": stable_value(dict(key_extra or {})),
     }
