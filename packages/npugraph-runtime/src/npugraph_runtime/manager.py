@@ -364,11 +364,7 @@ class GraphedCallable:
                     # a static input (a buffer the forward re-binds, ``self.steps =
                     # self.steps + 1``) that is new on every call: read from a buffer of the
                     # key's own, refilled before each replay
-                    copied = self._copied.get(key)
-                    out = (self._copy_statics(key, args, renewed) if copied is None
-                           else self._copy_more(key, args, copied, [
-                               i for i, ptr in renewed.items()
-                               if tensor(args, i).data_ptr() != ptr]))
+                    out = self._copy_statics(key, args, renewed)
                     if out is not _MISS:
                         return out
             return self._another(key, args, choice.reason, new_tensor)
@@ -388,8 +384,11 @@ class GraphedCallable:
 
     def _copy_statics(self, key: Key, args: Args, renewed: dict[int, int]) -> object:
         """Copy the static inputs of ``renewed`` (see _renewed) that this call passes anew, if
-        they can be; else _MISS."""
+        they can be (beside those the key copies already); else _MISS."""
         churned = [i for i, ptr in renewed.items() if tensor(args, i).data_ptr() != ptr]
+        copied = self._copied.get(key)
+        if copied is not None:
+            return self._copy_more(key, args, copied, churned)
         if not CopiedInputs.eligible(churned, args):
             return _MISS
         return self._start_copying(key, args, CopiedInputs(churned, args))
@@ -411,15 +410,15 @@ class GraphedCallable:
         return self._another(key, sub, STATIC_INPUT_CHANGE)
 
     def _start_copying(self, key: Key, args: Args, copied: CopiedInputs) -> object:
-        """From now on ``key``'s calls copy those mutated inputs into buffers of the key's own and
-        back (copied_inputs), so that its capture over the buffers replays."""
+        """From now on ``key``'s calls copy those inputs into buffers of the key's own (and the
+        mutated ones back: copied_inputs), so that its capture over the buffers replays."""
         self._copied[key] = copied
         copied.inner = self._runs.get(key)
         run = self._copied_run(key, copied)
         self._runs[key] = run
         self._counters.count_copied(len(copied.slots))
-        logger.info("%s: key %s copies mutated input(s) %s in and out on every call (a new "
-                    "tensor on every call)", self.name, key, copied.slots)
+        logger.info("%s: key %s copies input(s) %s on every call (a new tensor on every call)",
+                    self.name, key, copied.slots)
         return run(args)
 
     def _copied_run(self, key: Key, copied: CopiedInputs) -> Callable[[Args], object]:
