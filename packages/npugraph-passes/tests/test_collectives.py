@@ -26,8 +26,11 @@ from npugraph_passes.noop import remove_noop_ops
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                       reason="needs torch.distributed with gloo"),
+    pytest.mark.numerics,  # rewritten graphs against the original, under two kernel variants in CI
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -63,9 +66,9 @@ def _optimised(fn: Callable[..., Any], inputs: Sequence[torch.Tensor]) -> tuple[
         a = [x.clone() if isinstance(x, torch.Tensor) else x for x in fresh]
         b = [x.clone() if isinstance(x, torch.Tensor) else x for x in fresh]
         for e, g in zip(reference(*a), gm(*b), strict=True):
-            torch.testing.assert_close(g, e, rtol=0, atol=0)
+            torch.testing.assert_close(g, e)
         for e, g in zip(a, b, strict=True):  # mutated inputs too
-            torch.testing.assert_close(g, e, rtol=0, atol=0)
+            torch.testing.assert_close(g, e)
     return gm, example
 
 

@@ -5,12 +5,17 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from npugraph_passes import remove_noop_ops
 from npugraph_passes.noop import noop_rules
 from torch.fx.experimental.proxy_tensor import make_fx
+
+# rewritten graphs against the original: nox -s ci reruns them
+# under a second kernel variant
+pytestmark = pytest.mark.numerics
 
 aten = torch.ops.aten
 
@@ -60,7 +65,7 @@ def _check(fn: Callable[..., object], *inputs: torch.Tensor) -> tuple[Counter[ob
     gm.recompile()
     got = _run(gm, *inputs)
     for e, g in zip(expected, got, strict=True):
-        torch.testing.assert_close(g, e, rtol=0, atol=0)
+        torch.testing.assert_close(g, e)
     ptrs = {t.untyped_storage().data_ptr() for t in inputs}
     for g, e in zip(got, expected, strict=True):
         aliased_before = e.untyped_storage().data_ptr() in ptrs

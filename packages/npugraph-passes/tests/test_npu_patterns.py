@@ -13,10 +13,13 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("torch_npu") is not None,
-    reason="torch_npu is installed: its real ops would clash with the stand-ins",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        importlib.util.find_spec("torch_npu") is not None,
+        reason="torch_npu is installed: its real ops would clash with the stand-ins",
+    ),
+    pytest.mark.numerics,  # fused graphs against the original, under two kernel variants in CI
+]
 
 SCRIPT = textwrap.dedent(
     """
@@ -27,6 +30,13 @@ SCRIPT = textwrap.dedent(
     from npugraph_passes.fusion import pattern_fusion_pass
 
     npu, h = torch.ops.npu, torch.float16
+
+    def close(a, b):  # dtype tolerances: the fused graph runs other kernels than the original
+        try:
+            torch.testing.assert_close(a, b)
+        except AssertionError:
+            return False
+        return True
 
     def dq(x1, x2, g, s):
         y, _, x = npu.npu_add_rms_norm(x1, x2, g)
@@ -101,7 +111,7 @@ SCRIPT = textwrap.dedent(
         got = gm(*inputs)
         report[name] = {
             "targets": [str(n.target) for n in gm.graph.nodes if n.op == "call_function"],
-            "same": all(torch.equal(a, b) for a, b in zip(expected, got)),
+            "same": all(close(b, a) for a, b in zip(expected, got)),
         }
     print(json.dumps(report))
     """

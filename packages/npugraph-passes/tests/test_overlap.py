@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import npugraph_runtime  # noqa: F401  (registers the npugraph_ex scope/record/wait ops)
+import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -20,6 +21,10 @@ from npugraph_passes._compat import aot_inference_graph, compiled_inference_grap
 from npugraph_passes.manager import PassManager
 from npugraph_passes.overlap import may_self_overlap
 from npugraph_passes.reinplace import inplace_pass
+
+# rewritten graphs against the original: nox -s ci reruns them
+# under a second kernel variant
+pytestmark = pytest.mark.numerics
 
 aten = torch.ops.aten
 
@@ -80,7 +85,7 @@ def _passes(fn: Callable[..., Any], inputs: Sequence[torch.Tensor],
         torch.manual_seed(seed)
         fresh = [torch.randn_like(x) for x in inputs]
         for e, g in zip(reference(*fresh), gm(*fresh), strict=True):
-            torch.testing.assert_close(g, e, rtol=0, atol=0)
+            torch.testing.assert_close(g, e)
     return gm
 
 

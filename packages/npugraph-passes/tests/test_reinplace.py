@@ -16,6 +16,10 @@ from npugraph_passes.noop import remove_noop_ops
 from npugraph_passes.reinplace import inplace_pass, input_inplace_pass
 from npugraph_passes.stats import bytes_copied_per_step
 
+# rewritten graphs against the original: nox -s ci reruns them
+# under a second kernel variant
+pytestmark = pytest.mark.numerics
+
 aten = torch.ops.aten
 
 
@@ -37,9 +41,9 @@ def _compare(gm: torch.fx.GraphModule, reference: torch.fx.GraphModule, inputs: 
     expected = reference(*a)
     got = gm(*b)
     for e, g in zip(expected, got, strict=True):
-        torch.testing.assert_close(g, e, rtol=0, atol=0)
+        torch.testing.assert_close(g, e)
     for e, g in zip(a, b, strict=True):
-        torch.testing.assert_close(g, e, rtol=0, atol=0)
+        torch.testing.assert_close(g, e)
 
 
 def _optimise(fn: Callable[..., Any], inputs: Sequence[Any], *passes: Callable[..., None]) -> tuple[torch.fx.GraphModule, torch.fx.GraphModule]:
