@@ -212,7 +212,7 @@ def test_capture_limit_falls_back_with_one_warning(layer: torch.nn.Linear) -> No
     assert fn.fell_back and fn.fallback_reason == "capture_limit"
     assert fn.num_captures == 0 and fn.graphs == {}
     assert counters()["eager_fallback_due_to_capture_limit_limited"] == 1
-    assert counters()["captured_limited"] == 0
+    assert "captured_limited" not in counters()  # a callable holding no graph has no counter
 
 
 def test_capture_limit_warning_is_a_user_warning(layer: torch.nn.Linear) -> None:

@@ -1,7 +1,10 @@
 """What a GraphedCallable reports: capture events, counters and log lines.
 
 Counters live in ``torch._dynamo.utils.counters["npugraph_ex"]`` (as in the reference), named
-``<stem>_<callable name>``. Nothing here runs on the replay path: every counter name is built
+``<stem>_<callable name>``. A counter exists only while it is positive: an event that did not
+happen, and ``captured_<name>`` of a callable that holds no graph (a fallback, a reset, every
+capture released), leave no entry, so a check such as ``any(k.startswith("captured_") ...)`` can
+never pass on a counter at 0. Nothing here runs on the replay path: every counter name is built
 once per callable, and every log call formats lazily."""
 
 from __future__ import annotations
@@ -46,6 +49,19 @@ def default_name() -> str:
     return f"graph_{next(_graph_numbers)}"
 
 
+def _add(key: str, n: int = 1) -> None:
+    if n:
+        _compat.npugraph_ex_counters()[key] += n
+
+
+def _set(key: str, n: int) -> None:
+    counters = _compat.npugraph_ex_counters()
+    if n:
+        counters[key] = n
+    else:
+        counters.pop(key, None)
+
+
 class CaptureEvent(NamedTuple):
     """One capture: the graph key it was for and why (``"new_key"`` or a recapture reason)."""
 
@@ -73,30 +89,30 @@ class CounterNames:
         self.copied = f"copied_inputs_{name}"
 
     def count_capture(self, reason: str, captured_now: int) -> None:
-        counters = _compat.npugraph_ex_counters()
         if reason == NEW_KEY:
-            counters[self.new_key] += 1
+            _add(self.new_key)
         elif reason == HELD_OUTPUTS:
-            counters[self.held] += 1
+            _add(self.held)
         else:
-            counters[self.recapture[reason]] += 1
-        counters[self.captured] = captured_now
+            _add(self.recapture[reason])
+        _set(self.captured, captured_now)
 
     def count_released(self, released: int, captured_now: int) -> None:
-        counters = _compat.npugraph_ex_counters()
-        counters[self.released] += released
-        counters[self.captured] = captured_now
+        _add(self.released, released)
+        _set(self.captured, captured_now)
+
+    def count_reset(self) -> None:
+        _set(self.captured, 0)
 
     def count_copied(self, inputs: int) -> None:
-        _compat.npugraph_ex_counters()[self.copied] += inputs
+        _add(self.copied, inputs)
 
     def count_held_eager(self) -> None:
-        _compat.npugraph_ex_counters()[self.held_eager] += 1
+        _add(self.held_eager)
 
     def count_grad_eager(self) -> None:
-        _compat.npugraph_ex_counters()[self.grad_eager] += 1
+        _add(self.grad_eager)
 
     def count_fallback(self, reason: str) -> None:
-        counters = _compat.npugraph_ex_counters()
-        counters[self.fallback[reason]] += 1
-        counters[self.captured] = 0
+        _add(self.fallback[reason])
+        _set(self.captured, 0)

@@ -722,7 +722,7 @@ class GraphedCallable:
             self._pool = None
             self.fell_back = False
             self.fallback_reason = None
-            _compat.npugraph_ex_counters()[self._counters.captured] = 0
+            self._counters.count_reset()
 
     def _device_for(self, args: Args) -> torch.device:
         if self._device is None:
