@@ -114,15 +114,25 @@ def bench(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def ci(session: nox.Session) -> None:
-    """What .ci/run calls: lint, types, the whole test suite, then `readme` (a clean install
-    as the README gives it)."""
+    """What .ci/run calls: lint, types, the whole test suite, the ``numerics`` tests again under
+    a second kernel variant, then `readme` (a clean install as the README gives it)."""
     _install_all(session)
     _phase(session, "ruff check .")
     session.run("ruff", "check", ".")
     _mypy(session)
     # the README's blocks run once, in `readme`, against the packages as the README installs them
     _pytest(session, "--ignore=tests/test_readme_examples.py")
+    _pytest_numerics(session)
     session.notify("readme", posargs=[])
+
+
+def _pytest_numerics(session: nox.Session) -> None:
+    """The tests marked ``numerics`` again under ATen's portable kernels: a machine of another
+    CPU kind (AVX2 rather than AVX-512, another BLAS path) runs other kernels than this one, and
+    no test may depend on which."""
+    args = ["-q", "-p", "no:cacheprovider", "-m", "numerics"]
+    _phase(session, f"ATEN_CPU_CAPABILITY=default pytest {' '.join(args)} (a second kernel variant)")
+    session.run("python", "-m", "pytest", *args, env={"ATEN_CPU_CAPABILITY": "default"})
 
 
 README_INSTALL = "python -m pip install -r requirements/local.txt"
@@ -137,7 +147,7 @@ def readme(session: nox.Session) -> None:
         session.error(f"README.md no longer gives {README_INSTALL!r} on a line of its own: "
                       "update README_INSTALL in noxfile.py to the documented command")
     _phase(session, f"installing as the README says: {README_INSTALL}")
-    session.run(*shlex.split(README_INSTALL))
+    session.run(*shlex.split(README_INSTALL), silent=True)  # pip's output shown only if it fails
     _phase(session, "the CLI: npugraph-ex --version, then npugraph-ex demo --quick")
     session.run("npugraph-ex", "--version")
     session.run("npugraph-ex", "demo", "--quick", "--no-progress", "--out",
