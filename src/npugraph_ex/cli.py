@@ -1,7 +1,8 @@
 """The `npugraph-ex` command: doctor, demo, bench, cache.
 
-`--help` and `--version` must answer at once: nothing at module level here (nor in the
-package's ``__init__``) imports torch; each command imports what it needs when it runs."""
+`--help` (of every command) and `--version` must answer at once: nothing at module level here
+(nor in the package's ``__init__``) imports torch, and each command parses its arguments with a
+torch-free parser before it imports what it needs to run."""
 
 from __future__ import annotations
 
@@ -30,19 +31,25 @@ def _doctor(argv: Sequence[str]) -> int:
 
 
 def _demo(argv: Sequence[str]) -> int:
+    from npugraph_ex.arguments import demo_parser
+
+    demo_parser().parse_args(argv)  # --help and bad options answer before torch is imported
     from npugraph_ex.demo import main
 
     return main(argv)
 
 
 def _bench(argv: Sequence[str]) -> int:
+    from npugraph_ex.arguments import bench_parser
+
+    bench_parser().parse_args(argv)  # --help and bad options answer before torch is imported
     from npugraph_ex.bench import main
 
     return main(argv)
 
 
 def _cache(argv: Sequence[str]) -> int:
-    from npugraph_cache.cli import main
+    from npugraph_cache.cli import main  # torch-free until a command needs it
 
     result = main(list(argv))
     return int(result or 0)

@@ -8,7 +8,6 @@ hold. Writes demo.json and demo.png into --out."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -19,6 +18,7 @@ from typing import Any
 
 import torch
 
+from npugraph_ex.arguments import demo_parser as parser  # torch-free: the CLI parses first
 from npugraph_ex.bench.backends import (
     OURS,
     captures,
@@ -34,26 +34,6 @@ from npugraph_ex.models import best_device, build_decoder, synchronize
 
 PROMPT = 8
 SKIP_STEPS = 2  # the first steps compile, warm up and capture: not per-token latency
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="npugraph-ex demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--tokens", type=int, default=32, help="tokens to generate (default 32)")
-    p.add_argument("--out", default="demo-results", help="folder for demo.json and demo.png")
-    p.add_argument("--device", default=None,
-                   help="cpu, cuda or npu, with an optional index such as cuda:1 (default: the "
-                        "best present: cuda, then npu, else cpu)")
-    p.add_argument("--size", choices=("tiny", "1b"), default="tiny",
-                   help="model size: tiny (default) or about 1B parameters (for a GPU)")
-    p.add_argument("--quick", action="store_true",
-                   help="a smoke test: 8 tokens, eager and npugraph_ex only")
-    p.add_argument("--threads", type=int, default=None,
-                   help="intra-op CPU threads (default on the CPU: 1, for stable timings)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel ranks (gloo on 127.0.0.1, CPU); default 1: one process")
-    return p
 
 
 class _Pool:

@@ -9,7 +9,6 @@ in place, (s) two matmul branches on two streams vs one. Writes ``bench.json`` a
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import time
 import traceback
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from npugraph_ex.arguments import bench_parser as parser  # torch-free: the CLI parses first
 from npugraph_ex.bench.context import BenchContext, fmt_exc
 from npugraph_ex.bench.report import Section, environment, plot, print_table, write_json
 from npugraph_ex.bench.timing import use_clock
@@ -49,32 +49,6 @@ TITLES = {
     "m": "inputs updated in place, new on every call",
     "s": "two matmul branches: two streams vs one",
 }
-
-
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="npugraph-ex bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="bench-results", help="folder for bench.json and bench.png")
-    p.add_argument("--only", default="", help="comma-separated sections to run, e.g. a,c (default: all)")
-    p.add_argument("--quick", action="store_true", help="a fast smoke run (fewer, smaller cases)")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: the best present)")
-    p.add_argument("--runs", type=int, default=None, help="timed samples per figure (>= 20)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="intra-op CPU threads (default on the CPU: 1, so that timings on a shared "
-                        "machine are stable; elsewhere torch's default)")
-    p.add_argument("--inductor-budget", type=float, default=300.0,
-                   help="seconds after which an inductor compile is given up and noted (default 300)")
-    p.add_argument("--clock", choices=("auto", "cpu", "wall"), default="auto",
-                   help="what timings read: auto (default) = the thread's CPU time on a CPU run "
-                        "with one thread (immune to other processes on the machine), else wall")
-    p.add_argument("--budget", type=float, default=0.0,
-                   help="seconds for the whole suite: sections (and compilers in (c)) not "
-                        "started by then are skipped with a note (default: no limit)")
-    p.add_argument("--decode-cases", default="",
-                   help="(c) only these cases, comma-separated labels such as llama-medium-b8 "
-                        "(default: all)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    return p
 
 
 def selected(only: str) -> list[str]:
