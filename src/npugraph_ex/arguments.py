@@ -14,8 +14,8 @@ from pathlib import Path
 
 def _docstring(module: str) -> str | None:
     spec = importlib.util.find_spec(module)
-    if spec is None or spec.origin is None:
-        return None
+    if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+        return None  # no source to read (a sourceless install): --help without the description
     return ast.get_docstring(ast.parse(Path(spec.origin).read_text(encoding="utf-8")), clean=False)
 
 
