@@ -130,6 +130,15 @@ def test_hf_generate_refuses_transformers_own_compile_arguments() -> None:
         _generate(model, _prompt(0), ours=True, options={"capture_limit": 0})
 
 
+def test_hf_generate_warns_that_a_dynamic_cache_is_never_replayed() -> None:
+    model = _model()
+    prompt = _prompt(0)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="cache_implementation=None"):
+        ours = npugraph_ex.hf.generate(model, prompt, max_new_tokens=2, do_sample=False)
+        eager = model.generate(prompt, max_new_tokens=2, do_sample=False, disable_compile=True)
+    assert torch.equal(ours, eager)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_generate_with_compile_config_captures_on_cuda_and_matches_eager() -> None:

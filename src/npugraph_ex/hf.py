@@ -21,6 +21,7 @@ step), and leaves out torch.compile's ``mode`` (which torch refuses alongside ``
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -80,7 +81,7 @@ def generate(model: Any, *args: Any, options: Mapping[str, object] | None = None
     decoding's candidates) run eagerly, as transformers' own compiled loop does, so a new
     prompt length is not a new capture. The compiled forward is kept on the model for the next
     call with the same options. Pass ``cache_implementation="static"``: a dynamic cache grows
-    every step, and every step would be a new graph.
+    every step, and every step would be a new graph (a ``RuntimeWarning`` says so).
 
     options: npugraph_ex options, validated now (an ``OptionError`` names a bad one). Not
     thread-safe for concurrent ``generate`` calls on one model: the model's ``forward`` is
@@ -93,6 +94,16 @@ def generate(model: Any, *args: Any, options: Mapping[str, object] | None = None
                 "options=..., or call model.generate for transformers' own compilation"
             )
     compiled = _compiled_forward(model, options)
+    cache = kwargs.get("cache_implementation", getattr(model.generation_config,
+                                                       "cache_implementation", None))
+    if "past_key_values" not in kwargs and cache in (None, "dynamic"):
+        warnings.warn(
+            f"npugraph_ex.hf.generate: cache_implementation={cache!r}: a dynamic cache grows "
+            "every step, so every decode step is a new graph (compiled again, never replayed); "
+            "pass cache_implementation='static'",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     had_own = "forward" in vars(model)
     eager = model.forward
 
