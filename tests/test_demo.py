@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,15 @@ def test_demo_quick_tokens_match_eager_and_one_capture_pair(tmp_path: Path) -> N
     # alternates with so that the held token is never overwritten
     assert doc["captures"] == 2
     assert "tokens identical to eager: yes" in proc.stdout
+    # the per-token median starts after the last step that compiled or captured, as the counters
+    # said step by step: the held-output capture (a later step than the first) is not in it
+    run = doc["runs"]["npugraph_ex"]
+    assert len(run["setup_steps"]) >= 2  # compile and first capture, then the second capture
+    assert run["steady_from_step"] == max(run["setup_steps"]) + 1
+    steady = run["step_s"][run["steady_from_step"] - 1:]
+    assert steady and run["per_token_ms"] == statistics.median(steady) * 1e3
+    assert doc["runs"]["eager"]["setup_steps"] == []
+    assert f"steady from step {run['steady_from_step']}" in proc.stdout
     assert (tmp_path / "demo.png").stat().st_size > 0
 
 
@@ -67,12 +77,20 @@ def test_demo_without_tqdm_and_matplotlib_prints_each_phase_and_says_png_skipped
                           timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    assert "npugraph_ex: compile and capture (steps 1-2) ..." in lines
+    assert "npugraph_ex: compile and capture ..." in lines
     assert any(ln.startswith("npugraph_ex: compile and capture done in ") for ln in lines)
     assert any(ln.startswith("npugraph_ex: decoded in ") for ln in lines)
     assert any(ln.startswith("demo.png skipped: matplotlib is not installed") for ln in lines)
     assert not (tmp_path / "demo.png").exists()
     assert json.loads((tmp_path / "demo.json").read_text())["tokens_identical"] is True
+
+
+def test_steady_steps_begin_after_the_last_busy_step() -> None:
+    from npugraph_ex.demo import steady_start
+
+    assert steady_start([]) == 0
+    assert steady_start([False, False]) == 0
+    assert steady_start([True, False, True, False, False]) == 3  # a capture after a quiet step
 
 
 def test_demo_device_choices_match_the_help() -> None:

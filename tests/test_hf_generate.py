@@ -1,5 +1,7 @@
-"""transformers' generate compiled by npugraph_ex through ``npugraph_ex.hf.compile_config``: a
-capture really happens on the CPU (counters), and the tokens equal eager's for several prompts."""
+"""transformers' generate compiled by npugraph_ex, through ``npugraph_ex.hf.compile_config``
+(transformers' own compiled loop: greedy and sampling) and ``npugraph_ex.hf.generate`` (every
+mode, beam search included): a capture really happens on the CPU (counters), and the tokens equal
+eager's for several prompts."""
 
 from __future__ import annotations
 
@@ -42,10 +44,13 @@ def _prompt(seed: int) -> torch.Tensor:
     return torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(seed))
 
 
-def _generate(model: Any, prompt: torch.Tensor, **kwargs: Any) -> list[int]:
+def _generate(model: Any, prompt: torch.Tensor, *, ours: bool = False, **kwargs: Any) -> list[int]:
+    """The new tokens of ``model.generate`` (``npugraph_ex.hf.generate`` when ours)."""
+    kwargs = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                  cache_implementation="static", **kwargs)
     with torch.no_grad():
-        out = model.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                             do_sample=False, cache_implementation="static", **kwargs)
+        out = npugraph_ex.hf.generate(model, prompt, **kwargs) if ours else model.generate(
+            prompt, **kwargs)
     return [int(t) for t in out[0, prompt.shape[1]:]]
 
 
@@ -86,6 +91,52 @@ def test_options_are_passed_and_validated_up_front() -> None:
 
     assert _captures() == 0
     assert any(k.startswith("eager_fallback_due_to_force_eager") for k in counters["npugraph_ex"])
+
+
+def test_beam_search_runs_the_captured_step_and_matches_eager() -> None:
+    # transformers 4.57's _beam_search calls the plain forward: compile_config alone captures
+    # nothing there; hf.generate compiles the forward itself. Beam search re-binds the static
+    # cache's tensors every step (index_select): the runtime copies them in and out.
+    model = _model()
+    for seed in range(PROMPTS):
+        prompt = _prompt(seed)
+        eager = _generate(model, prompt, num_beams=3, disable_compile=True)
+        assert _generate(model, prompt, ours=True, num_beams=3) == eager
+    assert _captures() >= 1
+    assert "forward" not in vars(model)  # the model's own forward is back after each call
+
+
+def test_compile_config_alone_is_unused_by_beam_search() -> None:
+    # Why hf.generate exists: the same call with transformers' compile_config captures nothing.
+    model = _model()
+    _generate(model, _prompt(0), num_beams=3, compile_config=compile_config())
+    assert _captures() == 0
+
+
+def test_hf_generate_greedy_matches_eager_and_reuses_its_compiled_forward() -> None:
+    model = _model()
+    for seed in range(PROMPTS):
+        prompt = _prompt(seed)
+        assert _generate(model, prompt, ours=True) == _generate(model, prompt,
+                                                                disable_compile=True)
+    assert _captures() == 1  # one decode step shape: one capture, replayed by every prompt
+
+
+def test_hf_generate_refuses_transformers_own_compile_arguments() -> None:
+    model = _model()
+    with pytest.raises(ValueError, match="compile_config"):
+        _generate(model, _prompt(0), ours=True, compile_config=compile_config())
+    with pytest.raises(npugraph_ex.OptionError, match="capture_limit"):
+        _generate(model, _prompt(0), ours=True, options={"capture_limit": 0})
+
+
+def test_hf_generate_warns_that_a_dynamic_cache_is_never_replayed() -> None:
+    model = _model()
+    prompt = _prompt(0)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="cache_implementation=None"):
+        ours = npugraph_ex.hf.generate(model, prompt, max_new_tokens=2, do_sample=False)
+        eager = model.generate(prompt, max_new_tokens=2, do_sample=False, disable_compile=True)
+    assert torch.equal(ours, eager)
 
 
 @pytest.mark.cuda

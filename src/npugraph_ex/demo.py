@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from npugraph_ex.arguments import demo_parser as parser  # torch-free: the CLI parses first
+from npugraph_ex.bench._compat import dynamo_counters
 from npugraph_ex.bench.backends import (
     OURS,
     captures,
@@ -33,7 +34,7 @@ from npugraph_ex.bench.timing import clock, use_clock
 from npugraph_ex.models import best_device, build_decoder, synchronize
 
 PROMPT = 8
-SKIP_STEPS = 2  # the first steps compile, warm up and capture: not per-token latency
+MIN_TOKENS = 4  # a first token, a step that compiles and captures, and steady steps after it
 
 
 class _Pool:
@@ -71,43 +72,70 @@ def _phase(text: str) -> None:
     print(text, flush=True)
 
 
+def _setup_state() -> tuple[int, int]:
+    """Dynamo's count of compiled graphs and our count of captures made (a new key, a held
+    output, a recapture): a step that changes either compiled or captured. Per-call counts (an
+    eager call, an input copied) are not setup: a step that only moves them is a steady step."""
+    counts = dynamo_counters()
+    made = sum(int(v) for k, v in counts.get("npugraph_ex", {}).items()
+               if k.startswith(("capture_due_to_", "recapture_due_to_")))
+    return int(counts.get("stats", {}).get("unique_graphs", 0)), made
+
+
+def steady_start(setup: Sequence[bool]) -> int:
+    """The index of the first step after the last one that compiled or captured (0: none did)."""
+    return max((i + 1 for i, busy in enumerate(setup) if busy), default=0)
+
+
 def decode(ctx: BenchContext, dec: Any, name: str, prompt: torch.Tensor, n: int,
            options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Greedy-decode n tokens with `name`; per-step seconds and the tokens. The first steps
-    (compile, warm-up, capture) are a phase of their own, with a line before and after, so that
-    the progress bar of the steady steps shows a real rate and ETA."""
+    """Greedy-decode n tokens with `name`; per-step seconds, which steps compiled or captured
+    (from the counters, step by step), and the tokens. The steps up to the first quiet one
+    (compile, warm-up, captures) are a phase of their own, with a line before and after, so that
+    the progress bar of the steady steps shows a real rate and ETA. The per-token latency is the
+    median of the steps after the last one that compiled or captured."""
     torch.compiler.reset()
     start = time.perf_counter()
     step = compile_with(dec.step, name, options=options)
     label = "npugraph_ex" if name == OURS else name
-    first = {"eager": "first steps", "aot_eager": "compile"}.get(name, "compile and capture")
+    first = {"eager": "first step", "aot_eager": "compile"}.get(name, "compile and capture")
     with torch.no_grad():
         token = dec.prefill(prompt)
         tokens = [int(t) for t in token.flatten().tolist()]
         times: list[float] = []
+        setup: list[bool] = []
 
         def run(i: int) -> None:
             nonlocal token
+            before = _setup_state()
             t0 = clock()
             token = step(token, dec.position(PROMPT + i))
             synchronize(dec.device)
             times.append(clock() - t0)
+            setup.append(_setup_state() != before)
             tokens.extend(int(t) for t in token.flatten().tolist())
 
-        _phase(f"{label}: {first} (steps 1-{SKIP_STEPS}) ...")
+        _phase(f"{label}: {first} ...")
         t0 = time.perf_counter()
-        for i in range(SKIP_STEPS):
-            run(i)
-        rest = range(SKIP_STEPS, n - 1)
+        run(0)
+        while setup[-1] and len(times) < n - 1:  # until a step neither compiles nor captures
+            run(len(times))
+        rest = range(len(times), n - 1)
         _phase(f"{label}: {first} done in {time.perf_counter() - t0:.1f} s; "
                f"decoding {len(rest)} more tokens ...")
         t0 = time.perf_counter()
         for i in ctx.steps(rest, desc=f"{label:>11}", total=len(rest)):
             run(i)
-        _phase(f"{label}: decoded in {time.perf_counter() - t0:.2f} s")
-    steady = times[SKIP_STEPS:] or times
-    return {"tokens": tokens, "step_s": times, "per_token_ms": statistics.median(steady) * 1e3,
-            "first_steps_s": sum(times[:SKIP_STEPS]), "total_s": time.perf_counter() - start}
+    busy = steady_start(setup)
+    setup_steps = [i + 1 for i, b in enumerate(setup) if b]
+    # a later capture (the one a held output asks for) can come after a quiet step: say where
+    where = (f"steps that compiled or captured: {', '.join(map(str, setup_steps))}; steady "
+             f"from step {busy + 1}" if setup_steps else "no step compiled or captured")
+    _phase(f"{label}: decoded in {time.perf_counter() - t0:.2f} s ({where})")
+    steady = times[busy:] or times
+    return {"tokens": tokens, "step_s": times, "setup_steps": setup_steps,
+            "steady_from_step": busy + 1, "per_token_ms": statistics.median(steady) * 1e3,
+            "first_steps_s": sum(times[:busy]), "total_s": time.perf_counter() - start}
 
 
 def _device(spec: str) -> torch.device:
@@ -132,8 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from npugraph_ex.tp_demo import main as tp_main
 
         return tp_main(n, args.tp, args.out, args.threads)
-    if n < SKIP_STEPS + 2:
-        print(f"--tokens {n}: give at least {SKIP_STEPS + 2}", file=sys.stderr)
+    if n < MIN_TOKENS:
+        print(f"--tokens {n}: give at least {MIN_TOKENS}", file=sys.stderr)
         return 2
     try:
         device = _device(args.device) if args.device else best_device()
@@ -194,10 +222,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             else f"{(memory or 0) / 2**10:.1f} KiB")
     print(f"memory held by the graphs: {size} ({pool.how})" if memory is not None
           else "memory held by the graphs: not measured")
-    print(f"\nper-token latency (median of steps after the first two; clock: {clock_name}):")
+    print(f"\nper-token latency (median of the steps after the last one that compiled or "
+          f"captured; clock: {clock_name}):")
     for name, ms, speedup in rows:
         label = "npugraph_ex" if name == OURS else name
-        print(f"  {label:<12} {ms:9.3f} ms   {speedup:5.2f}x eager")
+        r = runs[name]
+        steady = len(r["step_s"]) - r["steady_from_step"] + 1
+        where = (f"steps {r['steady_from_step']}-{len(r['step_s'])}" if steady > 0
+                 else "no steady step: all steps, give more --tokens")
+        print(f"  {label:<12} {ms:9.3f} ms   {speedup:5.2f}x eager   ({where})")
     doc = {
         "environment": {**env, "clock": clock_name},
         "model": {"family": dec.family, "size": args.size, "params": dec.params,
@@ -225,22 +258,33 @@ def _plot(path: Path, runs: dict[str, dict[str, Any]], title: str) -> bool:
     except ImportError:
         return False
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    colours = {"eager": "tab:blue", "aot_eager": "tab:green", "npugraph_ex": "tab:orange"}
+    eager_ms = runs["eager"]["per_token_ms"] if "eager" in runs else None
+    names: list[str] = []
     for name, r in runs.items():
         label = "npugraph_ex" if name == OURS else name
-        left.plot(range(1, len(r["step_s"]) + 1), [s * 1e3 for s in r["step_s"]], label=label,
-                  marker=".")
+        colour = colours.get(label, "tab:gray")
+        names.append(label)
+        steps = range(1, len(r["step_s"]) + 1)
+        left.plot(steps, [s * 1e3 for s in r["step_s"]], label=label, marker=".", color=colour)
+        if r["steady_from_step"] > 1:  # where its steady steps begin
+            left.axvline(r["steady_from_step"] - 0.5, color=colour, linestyle=":", linewidth=1)
     left.set_yscale("log")
     left.set_xlabel("decode step")
     left.set_ylabel("ms (log)")
-    left.set_title("per-step latency (first steps compile and capture)", fontsize=9)
+    left.set_title("per-step latency (dotted: steady steps begin, after the last "
+                   "compile or capture)", fontsize=8)
     left.legend(fontsize=8)
-    names = ["npugraph_ex" if k == OURS else k for k in runs]
     values = [r["per_token_ms"] for r in runs.values()]
-    right.bar(names, values, color=["tab:orange" if k == "npugraph_ex" else "tab:blue" for k in names])
+    right.bar(names, values, color=[colours.get(k, "tab:gray") for k in names])
     for i, v in enumerate(values):
-        right.text(i, v, f"{v:.3g} ms", ha="center", va="bottom", fontsize=8)
-    right.set_ylabel("ms per token (median)")
-    right.set_title("per-token latency", fontsize=9)
+        speedup = f"\n{eager_ms / v:.2f}x eager" if eager_ms else ""
+        right.text(i, v, f"{v:.3g} ms{speedup}", ha="center", va="bottom", fontsize=8)
+    right.set_ylim(0, max(values) * 1.25)
+    right.set_ylabel("ms per token (median of the steady steps)")
+    right.set_title("per-token latency and speedup over eager", fontsize=9)
+    if eager_ms and OURS in runs:
+        title += f": npugraph_ex {eager_ms / runs[OURS]['per_token_ms']:.2f}x eager per token"
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
