@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import copy
 import logging
+import pickle
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -108,6 +110,13 @@ def test_position_int_under_clone_output(counter: Callable[[str], int]) -> None:
     assert _fallbacks(counter) == 0
 
 
+def test_position_int_under_clone_input_false(counter: Callable[[str], int]) -> None:
+    # the first call's 0-d tensor becomes the capture's buffer; later ones are copied into it
+    _decode({"clone_input": False})
+    assert 1 <= _captures(counter) <= 2
+    assert _fallbacks(counter) == 0
+
+
 def test_position_int_with_capture_limit_two(counter: Callable[[str], int]) -> None:
     _decode({"capture_limit": 2})
     assert 1 <= _captures(counter) <= 2
@@ -155,7 +164,8 @@ def test_slice_bound_int_stays_a_key_and_is_logged(
 
 def _promotions(t: torch.Tensor, pos: int) -> tuple[torch.Tensor, ...]:
     outs = (t + pos, t * pos, t > pos, t <= pos, t == pos,
-            t.masked_fill(torch.ones_like(t, dtype=torch.bool), pos), t // pos, t % pos, t / pos)
+            t.masked_fill(torch.ones_like(t, dtype=torch.bool), pos), t // pos, t % pos, t / pos,
+            torch.full((3,), pos), torch.full(t.shape, pos, dtype=t.dtype))
     if t.dtype is torch.bool:  # eager refuses to subtract with a bool tensor
         return outs
     return (*outs, t - pos, pos - t)
@@ -191,3 +201,41 @@ def test_int_returned_as_an_int_stays_a_key(counter: Callable[[str], int]) -> No
             assert got[1] == want[1]
     assert _compat.counters()  # something was captured or counted
     assert _captures(counter) >= 3
+
+
+def test_a_saved_graph_keeps_taking_the_int_as_a_value(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, counter: Callable[[str], int]
+) -> None:
+    """The compile cache's round trip keeps which inputs are ints passed as tensors."""
+    import torch._functorch.config as functorch_config
+    from npugraph_backend import CompiledGraph
+    from npugraph_backend.serialization import SerializableCompiledGraph, observe_compiled
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torch_cache"))
+
+    def fn(t: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return t * pos + torch.arange(pos, pos + 5), t > pos
+
+    seen: list[CompiledGraph] = []
+    compiled = torch.compile(fn, backend="npugraph_ex", dynamic=True, fullgraph=True)
+    with functorch_config.patch(bundled_autograd_cache=True), observe_compiled(seen.append), \
+            torch.no_grad():
+        compiled(torch.randn(5), 3)
+    [graph] = seen
+    assert graph.value_ints
+    on_disk = copy.copy(SerializableCompiledGraph(graph))
+    on_disk.prepare_for_serialization()
+    loaded = pickle.loads(pickle.dumps(on_disk))
+    loaded.post_compile([], None, {})
+    assert isinstance(loaded.compiled, CompiledGraph)
+    assert loaded.compiled.value_ints == graph.value_ints
+    assert loaded.compiled.inputs == graph.inputs
+    before = _captures(counter)
+    vals = [n.meta["val"] for n in _compat.placeholders(graph.gm)]
+    with torch.no_grad():
+        for pos in range(2, 12):
+            t = torch.randn(5)
+            args = [pos if i in graph.value_ints else 5 if isinstance(v, torch.SymInt) else t
+                    for i, v in enumerate(vals)]
+            _same(loaded.compiled(args), fn(t, pos))
+    assert _captures(counter) - before <= 2

@@ -8,8 +8,10 @@ replay may read from memory instead: its placeholder becomes a 0-d int64 tensor,
 arithmetic becomes tensor arithmetic, its scalar uses take the tensor, and the compiled graph's
 caller turns the int into a fresh 0-d tensor on each call (a USER input: the runtime copies it
 into the capture's buffer with the other user inputs, one foreach copy). A fresh tensor rather
-than one reused buffer: no state shared between threads, and on CPU it costs what a ``fill_``
-does (1.7 vs 1.6 us).
+than one reused buffer written with ``fill_``: no state shared between threads (a clone_input=False
+capture adopts its first input as its buffer, which another thread's wrapper could then be
+writing during this thread's replay), at about 1 us more a call on CPU (scalar_tensor with a
+device 2.6 us, fill_ 1.6 us).
 
 Dtypes are eager's: a 0-d int64 tensor promotes with a dimensioned tensor as a Python int does;
 against a 0-d integer or bool tensor it would not, so there it is first cast to the dtype a Python
@@ -50,7 +52,7 @@ _SCALAR_TO_TENSOR = {"Scalar": "Tensor", "Tensor": "Tensor", "Tensor_Scalar": "T
                      "default": "default"}
 _BINARY = frozenset({
     "add", "sub", "mul", "div", "remainder", "fmod", "eq", "ne", "lt", "le", "gt", "ge",
-    "bitwise_and", "bitwise_or", "bitwise_xor", "pow", "rsub", "floor_divide",
+    "bitwise_and", "bitwise_or", "bitwise_xor", "pow", "rsub", "floor_divide", "fill",
 })
 
 
@@ -165,6 +167,8 @@ class _Lifter:
             new = self._scalar_tensor(node)
         elif name == "arange" and overload in ("start", "start_step"):
             new = self._arange(node)
+        elif name == "full" and overload == "default":
+            new = self._full(node)
         elif name == "masked_fill" and overload == "Scalar":
             new = self._second_operand(node, aten.masked_fill.Tensor, index=2, of=0)
         elif name in _BINARY and overload in _SCALAR_TO_TENSOR:
@@ -209,6 +213,19 @@ class _Lifter:
         # a copy, never the input itself: the graph may write or return it
         return self._emit(node, aten._to_copy.default, (value,),
                           {"dtype": expected.dtype, "device": expected.device})
+
+    def _full(self, node: torch.fx.Node) -> torch.fx.Node:
+        size = node.args[0]
+        if isinstance(size, torch.fx.Node) or any(
+                isinstance(d, torch.fx.Node) and d in self.tensor_of for d in size):  # type: ignore[union-attr]
+            raise _Keep(f"it is a size of {node.target}", node)
+        value = self._operand(node, 1)
+        expected = node.meta["val"]
+        value = self._emit(node, aten._to_copy.default, (value,),
+                           {"dtype": expected.dtype, "device": expected.device})
+        wide = self._emit(node, aten.expand.default, (value, size))
+        return self._emit(node, aten.clone.default, (wide,),
+                          {"memory_format": torch.contiguous_format})
 
     def _arange(self, node: torch.fx.Node) -> torch.fx.Node:
         start = self._operand(node, 0)
@@ -300,7 +317,9 @@ def passing_ints_as_tensors(
         (i,) = slots
 
         def one(*args: Any) -> Any:
-            return fn(*args[:i], make(args[i], dtype=VALUE_DTYPE, device=device), *args[i + 1:])
+            call = list(args)
+            call[i] = make(call[i], dtype=VALUE_DTYPE, device=device)
+            return fn(*call)
 
         return one
     chosen = frozenset(slots)
