@@ -239,3 +239,17 @@ def test_a_saved_graph_keeps_taking_the_int_as_a_value(
                     for i, v in enumerate(vals)]
             _same(loaded.compiled(args), fn(t, pos))
     assert _captures(counter) - before <= 2
+
+
+def test_two_ints_both_values(counter: Callable[[str], int]) -> None:
+    def fn(t: torch.Tensor, pos: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+        where = torch.arange(pos, pos + 4) * stride
+        return t * stride + pos, where
+
+    compiled = torch.compile(fn, backend="npugraph_ex", dynamic=True, fullgraph=True)
+    with torch.no_grad():
+        for pos, stride in [(2, 3), (5, 7), (9, 2), (4, 4), (11, 5), (6, 9)]:
+            t = torch.randn(4)
+            _same(compiled(t, pos, stride), fn(t, pos, stride))
+    assert 1 <= _captures(counter) <= 2
+    assert _fallbacks(counter) == 0
