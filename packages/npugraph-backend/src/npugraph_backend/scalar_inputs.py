@@ -37,8 +37,10 @@ aten = torch.ops.aten
 VALUE_DTYPE = torch.int64
 
 # SymInt arithmetic -> the tensor ops computing the same int (Python's floor division and
-# modulo), with a tensor and with a number as the right operand
+# modulo), with a tensor and with a number as the right operand (None: the number is made a tensor)
 _SYM_ARITH: dict[Any, tuple[Any, Any, dict[str, object]]] = {
+    torch.sym_min: (aten.minimum.default, None, {}),
+    torch.sym_max: (aten.maximum.default, None, {}),
     operator.add: (aten.add.Tensor, aten.add.Scalar, {}),
     operator.sub: (aten.sub.Tensor, aten.sub.Scalar, {}),
     operator.mul: (aten.mul.Tensor, aten.mul.Scalar, {}),
@@ -120,8 +122,12 @@ class _Lifter:
         self.created.append(node)
         val_args = torch.fx.node.map_aggregate(args, self._val)
         val_kwargs = torch.fx.node.map_aggregate(kwargs, self._val)
-        with self.fake_mode:
-            self.vals[node] = node.meta["val"] = target(*val_args, **val_kwargs)
+        try:
+            with self.fake_mode:
+                self.vals[node] = node.meta["val"] = target(*val_args, **val_kwargs)
+        except Exception as exc:  # a restatement torch refuses: the int stays a key
+            raise _Keep(f"{target} over a tensor fails ({type(exc).__name__}: {exc})",
+                        before) from exc
         return node
 
     def _as_tensor(self, a: object, before: torch.fx.Node) -> torch.fx.Node:
@@ -152,8 +158,9 @@ class _Lifter:
         with_tensor, with_number, kwargs = _SYM_ARITH[node.target]
         a, b = node.args
         lhs = self._as_tensor(a, node)
-        if isinstance(b, torch.fx.Node) and b in self.tensor_of:
-            self.tensor_of[node] = self._emit(node, with_tensor, (lhs, self.tensor_of[b]), kwargs)
+        if (isinstance(b, torch.fx.Node) and b in self.tensor_of) or with_number is None:
+            rhs = self._as_tensor(b, node)
+            self.tensor_of[node] = self._emit(node, with_tensor, (lhs, rhs), kwargs)
         else:
             self.tensor_of[node] = self._emit(node, with_number, (lhs, b), kwargs)
 
