@@ -133,20 +133,30 @@ def test_position_int_made_symbolic_by_automatic_dynamic(
     assert _fallbacks(counter) == 0
 
 
-class SliceBound(nn.Module):
-    def __init__(self) -> None:
+class ReadAt(nn.Module):
+    """A read whose shape (a slice bound) or view offset (a row) is the int."""
+
+    def __init__(self, how: str) -> None:
         super().__init__()
+        self.how = how
         self.register_buffer("kc", torch.randn(LEN, DIM))
 
     def forward(self, x: torch.Tensor, pos: int) -> torch.Tensor:
-        seen = self.kc[: pos + 1]
-        return (seen @ x).sum() + pos
+        if self.how == "slice":
+            seen = self.kc[: pos + 1]
+            return (seen @ x).sum() + pos
+        return self.kc[pos] * x
 
 
-def test_slice_bound_int_stays_a_key_and_is_logged(
-    caplog: pytest.LogCaptureFixture, counter: Callable[[str], int]
+@pytest.mark.parametrize(("how", "what", "line"), [
+    ("slice", "shape or view offset", "seen = self.kc[: pos + 1]"),
+    ("row", "aten.select.int", "return self.kc[pos] * x"),
+])
+def test_an_int_a_read_depends_on_stays_a_key_and_is_logged(
+    how: str, what: str, line: str, caplog: pytest.LogCaptureFixture,
+    counter: Callable[[str], int],
 ) -> None:
-    model = SliceBound().eval()
+    model = ReadAt(how).eval()
     compiled = torch.compile(model, backend="npugraph_ex", dynamic=True, fullgraph=True)
     positions = [3, 9, 3, 17, 9, 5]
     with torch.no_grad(), caplog.at_level(logging.INFO, logger=LOGGER_NAME):
@@ -157,9 +167,38 @@ def test_slice_bound_int_stays_a_key_and_is_logged(
     assert _captures(counter) <= 2 * len(set(positions))
     kept = [r.getMessage() for r in caplog.records if "stays in the graph key" in r.getMessage()]
     assert kept, [r.getMessage() for r in caplog.records]
-    assert "shape or view offset" in kept[0]
+    assert what in kept[0]
     assert f"{__file__.rsplit('/', 1)[-1]}:" in kept[0]
-    assert "self.kc[: pos + 1]" in kept[0]
+    assert line in kept[0]
+
+
+class RowWrites(nn.Module):
+    """``cache[pos] = x``: the write a decode step makes most naturally, into a buffer and into
+    a view of one, in another dtype too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("kv", torch.zeros(2, LEN, DIM))
+        self.register_buffer("vc16", torch.zeros(LEN, DIM, dtype=torch.float16))
+
+    def forward(self, x: torch.Tensor, pos: int) -> torch.Tensor:
+        self.kv[0][pos] = x
+        self.kv[1][pos] = x * 2
+        self.vc16[pos] = x
+        return self.kv.sum(1) + self.vc16.float().sum(0)
+
+
+def test_row_write_at_an_int_is_a_value(counter: Callable[[str], int]) -> None:
+    model = RowWrites().eval()
+    eager = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="npugraph_ex", dynamic=True, fullgraph=True)
+    with torch.no_grad():
+        for pos in range(2, 22):
+            x = torch.randn(DIM)
+            torch.testing.assert_close(compiled(x, pos), eager(x, pos))
+            _same(list(model.buffers()), list(eager.buffers()))
+    assert 1 <= _captures(counter) <= 2
+    assert _fallbacks(counter) == 0
 
 
 def _promotions(t: torch.Tensor, pos: int) -> tuple[torch.Tensor, ...]:

@@ -75,10 +75,22 @@ def _tensors(value: object) -> list[torch.Tensor]:
     return []
 
 
+def _write_destination(node: torch.fx.Node) -> bool:
+    """``select(base, dim, i)`` used only as what functionalization copies a write into
+    (``copy(select, src)``, then ``select_scatter``): its offset locates a write, and no tensor the
+    graph computes with is read through it."""
+    return node.target is aten.select.int and bool(node.users) and all(
+        u.target is aten.copy.default and u.args[0] is node and node not in u.args[1:]
+        for u in node.users)
+
+
 def _layout_symbols(gm: torch.fx.GraphModule) -> dict[object, torch.fx.Node]:
-    """symbol -> the first node with a tensor whose sizes, strides or storage offset use it."""
+    """symbol -> the first node with a tensor whose sizes, strides or storage offset use it
+    (a write destination aside: it is restated as an index_put)."""
     first: dict[object, torch.fx.Node] = {}
     for node in gm.graph.nodes:
+        if _write_destination(node):
+            continue
         for t in _tensors(node.meta.get("val")):
             for s in _compat.layout_symbols(t):
                 first.setdefault(s, node)
@@ -174,6 +186,11 @@ class _Lifter:
             new = self._scalar_tensor(node)
         elif name == "arange" and overload in ("start", "start_step"):
             new = self._arange(node)
+        elif name == "select" and overload == "int":
+            self._select_destination(node)
+            return
+        elif name == "select_scatter" and overload == "default":
+            new = self._select_scatter(node)
         elif name == "full" and overload == "default":
             new = self._full(node)
         elif name == "masked_fill" and overload == "Scalar":
@@ -220,6 +237,36 @@ class _Lifter:
         # a copy, never the input itself: the graph may write or return it
         return self._emit(node, aten._to_copy.default, (value,),
                           {"dtype": expected.dtype, "device": expected.device})
+
+    def _select_destination(self, node: torch.fx.Node) -> None:
+        """Each ``copy(select(base, dim, i), src)`` is ``src`` broadcast to the selected shape."""
+        self._operand(node, 2)
+        if not _write_destination(node) or node.args[0] in self.tensor_of:
+            raise _Keep(f"it is the offset of a view {node.target} that is read", node)
+        shape = list(node.meta["val"].shape)
+        for copy in list(node.users):
+            src = copy.args[1]
+            expected = copy.meta["val"]
+            if not isinstance(src, torch.fx.Node) or self._val(src).device != expected.device:
+                raise _Keep(f"it locates a {copy.target} from another device", copy)
+            if self._val(src).dtype != expected.dtype:
+                src = self._emit(copy, aten._to_copy.default, (src,), {"dtype": expected.dtype})
+            wide = self._emit(copy, aten.expand.default, (src, shape))
+            new = self._emit(copy, aten.clone.default, (wide,),
+                             {"memory_format": torch.contiguous_format})
+            self.replaced.append((copy, new))
+            self.dead.append(copy)
+
+    def _select_scatter(self, node: torch.fx.Node) -> torch.fx.Node:
+        """``select_scatter(base, src, dim, i)`` is ``index_put(base, [:, ..., [i]], src[.., None])``."""
+        base, src, dim = node.args[0], node.args[1], node.args[2]
+        index = self._operand(node, 3)
+        if base in self.tensor_of or src in self.tensor_of or not isinstance(dim, int):
+            raise _Keep(f"it is not only the index of {node.target}", node)
+        dim = dim % self._val(base).dim()
+        rows = self._emit(node, aten.unsqueeze.default, (index, 0))
+        values = self._emit(node, aten.unsqueeze.default, (src, dim))
+        return self._emit(node, aten.index_put.default, (base, [None] * dim + [rows], values))
 
     def _full(self, node: torch.fx.Node) -> torch.fx.Node:
         size = node.args[0]
