@@ -5,7 +5,8 @@ placeholder of the AOT graph, and the runtime keys captures by the values of suc
 capture per value. An int whose symbol determines no shape, stride or storage offset of any
 tensor in the graph, and whose every use is an op we can restate over tensors, is a value the
 replay may read from memory instead: its placeholder becomes a 0-d int64 tensor, its SymInt
-arithmetic becomes tensor arithmetic, its scalar uses take the tensor, and the compiled graph's
+arithmetic becomes tensor arithmetic, its scalar uses take the tensor (``cache[pos] = x``, a
+select that only locates a write, becomes an index_put at ``[pos]``), and the compiled graph's
 caller turns the int into a fresh 0-d tensor on each call (a USER input: the runtime copies it
 into the capture's buffer with the other user inputs, one foreach copy). A fresh tensor rather
 than one reused buffer written with ``fill_``: no state shared between threads (a clone_input=False
