@@ -417,3 +417,29 @@ def install_cpu_stream_hint(message: str) -> None:
 
     cur_stream._npugraph_ex_hint = True  # type: ignore[attr-defined]
     SymbolicStreamState.cur_stream = cur_stream  # type: ignore[method-assign]
+
+
+# --- Symbols of SymInt placeholders (scalar_inputs) ----------------------------------------------
+# SymInt.node.expr (a sympy expression; a bare Symbol for an int dynamo made symbolic),
+# torch.fx.experimental.symbolic_shapes.free_symbols and torch._guards.detect_fake_mode: checked
+# on 2.13.0.
+def symint_symbol(value: object) -> object | None:
+    """The sympy Symbol a SymInt stands for, or None (a plain int, or an expression)."""
+    if not isinstance(value, torch.SymInt):
+        return None
+    expr = getattr(value.node, "expr", None)
+    return expr if getattr(expr, "is_Symbol", False) else None
+
+
+def layout_symbols(t: torch.Tensor) -> set[object]:
+    """The symbols of a fake tensor's sizes, strides and storage offset."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    return set(free_symbols((*t.shape, *t.stride(), t.storage_offset())))
+
+
+def fake_mode_of(values: Sequence[object]) -> Any:
+    """The FakeTensorMode of the fake tensors among ``values`` (None if there are none)."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])

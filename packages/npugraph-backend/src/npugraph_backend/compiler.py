@@ -121,8 +121,10 @@ class CompiledGraph:
         device: torch.device,
         eager_reason: str | None = None,
         debug: Any = None,
+        value_ints: tuple[int, ...] = (),
     ) -> None:
         self.gm = gm
+        self.value_ints = value_ints  # int inputs the graph takes as 0-d tensors (scalar_inputs)
         self.inputs = inputs
         self.outputs = outputs
         self.config = config
@@ -184,6 +186,10 @@ class CompiledGraph:
 
             fn = data_dump.after_each_call(fn, self.gm)
         self._fn = process_groups.guard(fn, self.gm, self.name)
+        if self.value_ints:
+            from npugraph_backend.scalar_inputs import passing_ints_as_tensors
+
+            self._fn = passing_ints_as_tensors(self._fn, self.value_ints, self.device)
 
     def __call__(self, args: list[Any]) -> Any:
         return self._fn(*args)
@@ -201,6 +207,7 @@ class CompiledGraph:
             "name": self.name,
             "device": str(self.device),
             "eager_reason": self.eager_reason,
+            "value_ints": self.value_ints,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -211,6 +218,7 @@ class CompiledGraph:
         self.name = state["name"]
         self.device = torch.device(state["device"])
         self.eager_reason = state["eager_reason"]
+        self.value_ints = tuple(state.get("value_ints", ()))
         # TORCH_COMPILE_DEBUG=1 on a warm start: this graph's dumps (read here first: a warm
         # start imports no dfx module otherwise)
         debug = begin_debug(None) if os.environ.get("TORCH_COMPILE_DEBUG") == "1" else None
@@ -235,6 +243,7 @@ def compile_graph(
     from npugraph_passes.stream_scopes import lower_stream_scopes
 
     from npugraph_backend.dfx import data_dump, deadlock
+    from npugraph_backend.scalar_inputs import as_value_inputs, lift_value_ints
     from npugraph_backend.specs import build_specs
 
     config = config.copy()
@@ -251,6 +260,8 @@ def compile_graph(
     if _dump_original(config):
         return CompiledGraph(gm, specs.inputs, specs.outputs, config, name, device,
                              "data_dump_stage='original' runs the original graph eagerly", debug)
+    value_ints = lift_value_ints(gm, device, name)
+    inputs = as_value_inputs(specs.inputs, value_ints) if value_ints else specs.inputs
     # streams and core limits of the graph first: the passes must see its events
     if lower_stream_scopes(gm, device, name):
         # the graph's events live as long as the graph module does
@@ -273,8 +284,8 @@ def compile_graph(
         )
         _compat.counters()[fallback_counter(UNSAFE_OP, name)] += 1
         log.info("%s falls back to eager: %s", name, eager_reason)
-    return CompiledGraph(gm, specs.inputs, specs.outputs, config, name, device, eager_reason,
-                         debug)
+    return CompiledGraph(gm, inputs, specs.outputs, config, name, device, eager_reason, debug,
+                         value_ints)
 
 
 class ForwardCompiler:
