@@ -17,6 +17,7 @@ from npugraph_passes.inplace_analysis import (
     Analysis,
     meta_tensor,
     meta_values,
+    same_view,
 )
 from npugraph_passes.overlap import may_self_overlap
 
@@ -134,9 +135,7 @@ def rewrite_in_place(node: torch.fx.Node, dst: torch.fx.Node, an: Analysis) -> b
             view.meta["stack_trace"] = node.meta.get("stack_trace")
             # copy(view_of_dst, v) feeding only this scatter is v converted to the view: copy_ does it.
             if (isinstance(src, torch.fx.Node) and src.target is aten.copy.default
-                    and len(src.users) == 1 and isinstance(src.args[0], torch.fx.Node)
-                    and src.args[0].target is view_op and src.args[0].args[1:] == tuple(view_args)
-                    and src.args[0].args[0] is dst):
+                    and len(src.users) == 1 and same_view(src.args[0], view)):
                 src = src.args[1]
             copy = graph.call_function(aten.copy_.default, (view, src))
             copy.meta["val"] = view.meta.get("val")
