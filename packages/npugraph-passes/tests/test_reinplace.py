@@ -98,6 +98,24 @@ def test_slice_and_select_assignment_write_through_a_view() -> None:
     assert bytes_copied_per_step(gm, inputs) == (2 * 4 + 6) * 4
 
 
+def test_writes_into_strided_views_of_one_layer_slice_stay_in_place() -> None:
+    # kc[l] is a select of the stacked buffer; [:, p] and [slots, 2:4] index it further, the
+    # second through a strided slice whose layout the functional index_put result does not have
+    def step(kc: torch.Tensor, p: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor]:
+        for layer in range(2):
+            kc[layer][:, p] = v
+            kc[layer][slots, 2:4] = v[:2]
+        return (kc[:, :, :5].sum(),)
+
+    inputs = [torch.zeros(2, 8, 16, 4), torch.tensor([3]), torch.randn(8, 1, 4), torch.tensor([1, 5])]
+    gm, ref = _optimise(step, inputs, inplace_pass, input_inplace_pass)
+    assert bytes_copied_per_step(ref, inputs) == 2 * 8 * 16 * 4 * 4
+    counts = _counts(gm)
+    assert counts[aten.index_put_.default] == 4
+    assert counts[aten.index_put.default] == counts[aten.slice_scatter.default] == counts[aten.select_scatter.default] == 0
+    assert counts[aten.copy_.default] == 0 and bytes_copied_per_step(gm, inputs) == 0
+
+
 def test_old_value_read_after_the_update_keeps_the_copy() -> None:
     # remove_noop_ops drops the clone, so the graph reads the cache's old value after the
     # functional index_copy: writing the cache in place there would change ``old``.

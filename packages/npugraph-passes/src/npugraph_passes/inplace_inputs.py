@@ -56,7 +56,14 @@ def _read_later(src: torch.fx.Node, dst: torch.fx.Node, copy: torch.fx.Node, an:
     return last > an.position[copy] and an.written_between(dst, an.position[copy], last + 1, ignore=set())
 
 
-def _input_in_place(src: torch.fx.Node, copy: torch.fx.Node, an: Analysis) -> bool:
+def _layout_unseen(node: torch.fx.Node, chain: list[torch.fx.Node], copy: torch.fx.Node) -> bool:
+    """Only the chain (whose views ``_lands_on`` follows on the real layout) and the copy read
+    ``node``'s result: an update may write a view of another layout than its functional result
+    (``kc[l][slots, 2:4] = v``: an index_put into a strided slice)."""
+    return all(u is copy or u in chain for u in node.users)
+
+
+def _input_in_place(src: torch.fx.Node, copy: torch.fx.Node, an: Analysis, any_layout: bool = False) -> bool:
     """``new = op(v, ...)`` + ``copy_(dst, new)`` -> ``op_(v, ...)``, where ``v`` (``src``'s first
     argument) is ``dst``'s memory or part of it (``_lands_on`` checked which)."""
     base = src.args[0] if src.args else None
@@ -66,7 +73,7 @@ def _input_in_place(src: torch.fx.Node, copy: torch.fx.Node, an: Analysis) -> bo
         return False
     if src.target not in SCATTER_VIEWS and _compat.inplace_overload(src.target) is None:
         return False
-    if not fits_in_place(src, base) or others_alias(src, base, an):
+    if not fits_in_place(src, base, any_layout) or others_alias(src, base, an):
         return False
     # A returned result would become the input itself: new aliasing between input and output.
     if an.is_returned(src):
@@ -123,7 +130,7 @@ def _update_chain(src: torch.fx.Node, dst: torch.fx.Node) -> list[torch.fx.Node]
     return chain[::-1] if node.args else []
 
 
-def _lands_on(chain: list[torch.fx.Node], dst: torch.fx.Node) -> bool:
+def _lands_on(chain: list[torch.fx.Node], dst: torch.fx.Node, copy: torch.fx.Node) -> bool:
     """With each update of ``chain`` made in place, its last node is ``dst``'s memory element for
     element: the updates fit the tensors they read, and the views between them lead back to
     ``dst``'s layout."""
@@ -137,7 +144,8 @@ def _lands_on(chain: list[torch.fx.Node], dst: torch.fx.Node) -> bool:
                 t = node.target(t, *meta_values(node.args[1:]), **meta_values(node.kwargs))  # type: ignore[operator]
             except Exception:
                 return False
-        elif not isinstance(node.args[0], torch.fx.Node) or not fits_in_place(node, node.args[0]):
+        elif not isinstance(node.args[0], torch.fx.Node) or not fits_in_place(
+                node, node.args[0], _layout_unseen(node, chain, copy)):
             return False
     return t is not None and want is not None and same_layout(t, want)
 
@@ -163,10 +171,11 @@ def _reinplace_epilogue(copy: torch.fx.Node, an: Analysis) -> None:
         an.erase(src)
         src = x
     chain = _update_chain(src, dst)
-    if chain and _lands_on(chain, dst):
+    if chain and _lands_on(chain, dst, copy):
         # op_k(...op_1(dst)) + copy_(dst, op_k): each op in turn becomes op_(dst), first one
         # first (views between them stay views, now of the updated memory).
-        done = all(node.target in VIEW_TARGETS or _input_in_place(node, copy, an) for node in chain)
+        done = all(node.target in VIEW_TARGETS
+                   or _input_in_place(node, copy, an, _layout_unseen(node, chain, copy)) for node in chain)
     else:
         done = _input_out_variant(src, dst, copy, an)
     last = copy.args[1]

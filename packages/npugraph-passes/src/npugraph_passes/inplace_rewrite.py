@@ -83,10 +83,11 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return True
 
 
-def fits_in_place(node: torch.fx.Node, dst: torch.fx.Node) -> bool:
+def fits_in_place(node: torch.fx.Node, dst: torch.fx.Node, any_layout: bool = False) -> bool:
     """``node``'s result may live in ``dst``: same shape, strides (a later ``as_strided`` or
-    ``view`` reads the layout), dtype and device, and every element written has memory of its
-    own (no write into an ``expand``/``unfold``/``as_strided`` whose elements overlap)."""
+    ``view`` reads the layout; ``any_layout`` when no reader of the result sees it), dtype and
+    device, and every element written has memory of its own (no write into an
+    ``expand``/``unfold``/``as_strided`` whose elements overlap)."""
     out, buf = meta_tensor(node), meta_tensor(dst)
     if out is None or buf is None:
         return False
@@ -97,7 +98,7 @@ def fits_in_place(node: torch.fx.Node, dst: torch.fx.Node) -> bool:
         and not may_self_overlap(buf)
     ):
         return False
-    if not _same_layout(out, buf):
+    if not any_layout and not _same_layout(out, buf):
         return False
     written = _written_view(node, buf)
     return written is not None and not may_self_overlap(written)
