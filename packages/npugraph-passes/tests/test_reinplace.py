@@ -233,6 +233,25 @@ def test_side_stream_reader_without_event_blocks_input_reinplace() -> None:
     assert _counts(gm)[aten.index_copy_.default] == 0
 
 
+def test_side_stream_reader_of_another_layer_blocks_a_layer_view_reinplace() -> None:
+    # one stacked buffer: a side stream reading layer 1 with no event may run while layer 0's
+    # rows are written -- it reads the same storage, so the write stays where it was
+    def step(kc: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        summary = kc[1].amax()
+        kc[0].index_put_((slots,), new)
+        return summary, kc.sum()
+
+    inputs = [torch.randn(2, 6, 4), torch.tensor([1, 4]), torch.randn(2, 4)]
+    gm, _ = aot_inference_graph(step, inputs)
+    plain, _ = aot_inference_graph(step, inputs)
+    input_inplace_pass(plain, inputs, None)
+    assert _counts(plain)[aten.index_put_.default] == 1  # on one stream it is written in place
+    _put_on_side_stream(gm, "amax")
+    input_inplace_pass(gm, inputs, None)
+    assert _counts(gm)[aten.index_put_.default] == 0
+    assert _counts(gm)[aten.index_put.default] == 1
+
+
 def test_side_stream_reader_ordered_by_event_allows_input_reinplace() -> None:
     gm, inputs, _ = _kv_with_side_reader()
     graph = gm.graph
