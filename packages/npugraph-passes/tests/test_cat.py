@@ -142,7 +142,7 @@ def test_generated_cats_keep_results_and_only_cat_changes(kinds: list[str], rows
             assert normal[target] == n
 
 
-def test_inputs_on_another_stream_keep_the_cat() -> None:
+def test_inputs_on_another_stream_the_cat_does_not_wait_for_keep_the_cat() -> None:
     import npugraph_runtime  # noqa: F401  (registers torch.ops.npugraph_ex)
 
     gm = make_fx(lambda x, y: torch.cat([x.sin(), y.cos()]), tracing_mode="fake")(torch.randn(2, 4), torch.randn(2, 4))
@@ -155,3 +155,94 @@ def test_inputs_on_another_stream_keep_the_cat() -> None:
     before = _counts(gm)
     remove_cat_ops(gm, [], None)
     assert _counts(gm) == before
+
+
+def _two_stream_cat(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    """The original's smoke test: the inputs of a cat made on two side streams, joined by events."""
+    import npugraph_runtime as ngr
+
+    with ngr.stream(_STREAMS[0]):
+        a = (x @ w1).relu()
+        done1 = ngr.Event("cpu")
+        done1.record()
+    with ngr.stream(_STREAMS[1]):
+        b = (x @ w2).sigmoid()
+        done2 = ngr.Event("cpu")
+        done2.record()
+    done1.wait()
+    done2.wait()
+    return torch.cat([a, b]) * 2
+
+
+_STREAMS: list[object] = []
+
+
+def test_cat_of_inputs_from_two_side_streams_is_written_in_place_and_equals_eager() -> None:
+    pytest.importorskip("npugraph_backend")  # the backend sits above this package
+    import warnings
+
+    import npugraph_runtime as ngr
+    from torch._dynamo.utils import counters
+
+    if not _STREAMS:
+        _STREAMS.extend([ngr.Stream("cpu"), ngr.Stream("cpu")])
+    seen: list[list[object]] = []
+
+    def post_pass(gm: torch.fx.GraphModule, example_inputs: object, config: object) -> None:
+        seen.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(_two_stream_cat, backend="npugraph_ex", fullgraph=True,
+                             options={"post_grad_custom_post_pass": post_pass})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ngr.CrossStreamWarning)  # every cross-stream use has its event
+        for step in range(6):
+            g = torch.Generator().manual_seed(step)
+            args = [torch.randn(4, 8, generator=g), torch.randn(8, 8, generator=g), torch.randn(8, 8, generator=g)]
+            torch.testing.assert_close(compiled(*args), _two_stream_cat(*args))
+    (targets,) = seen
+    assert aten.cat.default not in targets
+    assert targets.count(aten.relu.out) == targets.count(aten.sigmoid.out) == 1
+    ours = counters["npugraph_ex"]
+    captures = sum(v for k, v in ours.items() if k.startswith(("capture_due", "recapture_due")))
+    assert captures >= 1 and sum(v for k, v in ours.items() if k.startswith("eager_")) == 0, dict(ours)
+    torch._dynamo.reset()
+
+
+def test_cat_input_on_a_side_stream_after_the_allocation_gets_an_event() -> None:
+    import npugraph_runtime  # noqa: F401  (registers torch.ops.npugraph_ex)
+    from npugraph_passes.stream_safety import StreamMap
+
+    def fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x.sin(), y.cos()])
+
+    gm = make_fx(fn, tracing_mode="fake")(torch.randn(2, 4), torch.randn(2, 4))
+    graph = gm.graph
+    ops = torch.ops.npugraph_ex
+    sin = next(n for n in graph.nodes if n.target is aten.sin.default)
+    cat = next(n for n in graph.nodes if n.target is aten.cat.default)
+    with graph.inserting_before(sin):
+        graph.call_function(ops.scope_enter.default, (["_user_stream_label"], ["side"]))
+    with graph.inserting_after(sin):
+        token = graph.call_function(ops.record.default, ())
+    with graph.inserting_after(token):
+        graph.call_function(ops.scope_exit.default, ())
+    with graph.inserting_before(cat):
+        graph.call_function(ops.wait.default, ([token],))
+    remove_cat_ops(gm, [], None)
+    graph.lint()
+    counts = _counts(gm)
+    assert counts[aten.cat.default] == 0 and counts[aten.sin.out] == 1
+    # the side stream waits for the buffer's allocation on the default stream before writing it,
+    # and the default stream's write into the buffer waits for the side stream's
+    streams = StreamMap(graph)
+    empty = next(n for n in graph.nodes if n.target is aten.empty.memory_format)
+    side = next(n for n in graph.nodes if n.target is aten.sin.out)
+    default = next(n for n in graph.nodes if n.target is aten.cos.out)
+    assert streams.label[empty] is None and streams.label[side] == "side" and streams.label[default] is None
+    assert streams.ordered(empty, side) and streams.ordered(side, default)
+    assert counts[ops.record.default] == 3 and counts[ops.wait.default] == 3
+    gm.recompile()
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    torch.testing.assert_close(gm(x, y), fn(x, y), rtol=0, atol=0)

@@ -102,6 +102,24 @@ def test_slice_and_select_assignment_write_through_a_view() -> None:
     assert bytes_copied_per_step(gm, inputs) == (2 * 4 + 6) * 4
 
 
+def test_writes_into_strided_views_of_one_layer_slice_stay_in_place() -> None:
+    # kc[l] is a select of the stacked buffer; [:, p] and [slots, 2:4] index it further, the
+    # second through a strided slice whose layout the functional index_put result does not have
+    def step(kc: torch.Tensor, p: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor]:
+        for layer in range(2):
+            kc[layer][:, p] = v
+            kc[layer][slots, 2:4] = v[:2]
+        return (kc[:, :, :5].sum(),)
+
+    inputs = [torch.zeros(2, 8, 16, 4), torch.tensor([3]), torch.randn(8, 1, 4), torch.tensor([1, 5])]
+    gm, ref = _optimise(step, inputs, inplace_pass, input_inplace_pass)
+    assert bytes_copied_per_step(ref, inputs) == 2 * 8 * 16 * 4 * 4
+    counts = _counts(gm)
+    assert counts[aten.index_put_.default] == 4
+    assert counts[aten.index_put.default] == counts[aten.slice_scatter.default] == counts[aten.select_scatter.default] == 0
+    assert counts[aten.copy_.default] == 0 and bytes_copied_per_step(gm, inputs) == 0
+
+
 def test_old_value_read_after_the_update_keeps_the_copy() -> None:
     # remove_noop_ops drops the clone, so the graph reads the cache's old value after the
     # functional index_copy: writing the cache in place there would change ``old``.
@@ -217,6 +235,25 @@ def test_side_stream_reader_without_event_blocks_input_reinplace() -> None:
     input_inplace_pass(gm, inputs, None)
     assert _input_copies(gm) == 1
     assert _counts(gm)[aten.index_copy_.default] == 0
+
+
+def test_side_stream_reader_of_another_layer_blocks_a_layer_view_reinplace() -> None:
+    # one stacked buffer: a side stream reading layer 1 with no event may run while layer 0's
+    # rows are written -- it reads the same storage, so the write stays where it was
+    def step(kc: torch.Tensor, slots: torch.Tensor, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        summary = kc[1].amax()
+        kc[0].index_put_((slots,), new)
+        return summary, kc.sum()
+
+    inputs = [torch.randn(2, 6, 4), torch.tensor([1, 4]), torch.randn(2, 4)]
+    gm, _ = aot_inference_graph(step, inputs)
+    plain, _ = aot_inference_graph(step, inputs)
+    input_inplace_pass(plain, inputs, None)
+    assert _counts(plain)[aten.index_put_.default] == 1  # on one stream it is written in place
+    _put_on_side_stream(gm, "amax")
+    input_inplace_pass(gm, inputs, None)
+    assert _counts(gm)[aten.index_put_.default] == 0
+    assert _counts(gm)[aten.index_put.default] == 1
 
 
 def test_side_stream_reader_ordered_by_event_allows_input_reinplace() -> None:

@@ -25,6 +25,7 @@ from npugraph_passes.cleanup import dead_code_elimination
 from npugraph_passes.collectives import is_ordering_point
 from npugraph_passes.equivalents import use_cheaper_equivalents
 from npugraph_passes.identity import combine, source_digest
+from npugraph_passes.npu_patterns import register_npu_patterns
 from npugraph_passes.stream_safety import StreamMap
 
 _lock = threading.Lock()
@@ -188,8 +189,6 @@ def ensure_builtin_patterns() -> None:
         _register(search, _addmm, mm_inputs, fwd_only, _bias_fits, None, None, False)
     for search in (_bmm_add, _add_bmm):
         _register(search, _baddbmm, bmm_inputs, fwd_only, _bias_fits, None, None, False)
-    from npugraph_passes.npu_patterns import register_npu_patterns
-
     register_npu_patterns(_register)
 
 

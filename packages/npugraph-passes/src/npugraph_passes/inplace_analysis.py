@@ -10,11 +10,13 @@ from typing import Any
 import torch
 import torch.fx
 
+from npugraph_passes import _compat
 from npugraph_passes.aliasing import node_storage, written_args
 from npugraph_passes.collectives import CollectiveMemory
 from npugraph_passes.stream_safety import StreamMap
 
-__all__ = ["SCATTER_VIEWS", "VIEW_TARGETS", "Analysis", "meta_tensor", "meta_values"]
+__all__ = ["SCATTER_VIEWS", "VIEW_TARGETS", "Analysis", "input_view_root", "meta_tensor", "meta_values",
+           "same_layout", "same_view"]
 
 aten = torch.ops.aten
 
@@ -34,6 +36,43 @@ VIEW_TARGETS = frozenset(SCATTER_VIEWS.values()) | {
     aten.as_strided.default, aten.unfold.default, aten.narrow.default, aten.split.Tensor,
     aten.split_with_sizes.default, aten.unbind.int, aten.chunk.default, aten.view.dtype,
 }
+
+
+def same_view(a: object, b: object) -> bool:
+    """``a`` and ``b`` are the same memory by construction: the same node, or the same view op
+    with the same arguments applied to the same view (``kc[l]`` written twice in a graph is two
+    ``select(kc, 0, l)`` nodes)."""
+    if a is b:
+        return True
+    if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
+        return False
+    if a.op != "call_function" or a.target not in VIEW_TARGETS or a.target is not b.target:
+        return False
+    if a.args[1:] != b.args[1:] or a.kwargs != b.kwargs:
+        return False
+    return same_view(a.args[0], b.args[0])
+
+
+def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a`` and ``b`` (views of one storage) place every element at the same address."""
+    return bool(
+        _compat.statically_known_true(_compat.sym_eq(a.shape, b.shape))
+        and _compat.statically_known_true(_compat.sym_eq(a.stride(), b.stride()))
+        and _compat.statically_known_true(a.storage_offset() == b.storage_offset())
+    )
+
+
+def input_view_root(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The graph input ``node`` is (a placeholder, a parameter) or is a chain of views of; None
+    for anything else."""
+    seen = 0
+    while node.op == "call_function" and node.target in VIEW_TARGETS and seen < 10_000:
+        base = node.args[0] if node.args else None
+        if not isinstance(base, torch.fx.Node):
+            return None
+        node = base
+        seen += 1
+    return node if node.op in ("placeholder", "get_attr") else None
 
 
 def meta_tensor(node: object) -> torch.Tensor | None:
@@ -80,15 +119,17 @@ class Analysis:
         return set(self.group[key]) if key is not None else {node}
 
     def reads_after(self, node: torch.fx.Node, target: torch.fx.Node,
-                    ignore: set[torch.fx.Node]) -> list[torch.fx.Node]:
-        """Nodes after ``node`` that read ``target``'s storage through any alias (views that only
-        feed other readers do not count themselves; their readers do)."""
+                    ignore: set[torch.fx.Node], before: torch.fx.Node | None = None) -> list[torch.fx.Node]:
+        """Nodes after ``node`` (and before ``before``, when given) that read ``target``'s storage
+        through any alias (views that only feed other readers do not count themselves; their
+        readers do)."""
         aliases = self.aliases(target)
         at = self.position[node]
+        until = self.position[before] if before is not None else len(self.position) + 1
         found: list[torch.fx.Node] = []
         for alias in aliases:
             for user in alias.users:
-                if user is node or user in ignore or self.position.get(user, -1) <= at:
+                if user is node or user in ignore or not at < self.position.get(user, -1) < until:
                     continue
                 if user in aliases and user.target in VIEW_TARGETS:
                     continue

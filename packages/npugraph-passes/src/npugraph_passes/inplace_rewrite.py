@@ -17,6 +17,7 @@ from npugraph_passes.inplace_analysis import (
     Analysis,
     meta_tensor,
     meta_values,
+    same_view,
 )
 from npugraph_passes.overlap import may_self_overlap
 
@@ -82,10 +83,11 @@ def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return True
 
 
-def fits_in_place(node: torch.fx.Node, dst: torch.fx.Node) -> bool:
+def fits_in_place(node: torch.fx.Node, dst: torch.fx.Node, any_layout: bool = False) -> bool:
     """``node``'s result may live in ``dst``: same shape, strides (a later ``as_strided`` or
-    ``view`` reads the layout), dtype and device, and every element written has memory of its
-    own (no write into an ``expand``/``unfold``/``as_strided`` whose elements overlap)."""
+    ``view`` reads the layout; ``any_layout`` when no reader of the result sees it), dtype and
+    device, and every element written has memory of its own (no write into an
+    ``expand``/``unfold``/``as_strided`` whose elements overlap)."""
     out, buf = meta_tensor(node), meta_tensor(dst)
     if out is None or buf is None:
         return False
@@ -96,7 +98,7 @@ def fits_in_place(node: torch.fx.Node, dst: torch.fx.Node) -> bool:
         and not may_self_overlap(buf)
     ):
         return False
-    if not _same_layout(out, buf):
+    if not any_layout and not _same_layout(out, buf):
         return False
     written = _written_view(node, buf)
     return written is not None and not may_self_overlap(written)
@@ -134,9 +136,7 @@ def rewrite_in_place(node: torch.fx.Node, dst: torch.fx.Node, an: Analysis) -> b
             view.meta["stack_trace"] = node.meta.get("stack_trace")
             # copy(view_of_dst, v) feeding only this scatter is v converted to the view: copy_ does it.
             if (isinstance(src, torch.fx.Node) and src.target is aten.copy.default
-                    and len(src.users) == 1 and isinstance(src.args[0], torch.fx.Node)
-                    and src.args[0].target is view_op and src.args[0].args[1:] == tuple(view_args)
-                    and src.args[0].args[0] is dst):
+                    and len(src.users) == 1 and same_view(src.args[0], view)):
                 src = src.args[1]
             copy = graph.call_function(aten.copy_.default, (view, src))
             copy.meta["val"] = view.meta.get("val")

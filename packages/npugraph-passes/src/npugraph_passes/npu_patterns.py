@@ -271,8 +271,6 @@ def register_npu_patterns(register: Callable[..., None]) -> int:
         "npu_transpose_batchmatmul"
     )):
         return 0
-    from npugraph_passes.fusion import fwd_only
-
     rules = [(name, ops, search, replace, kind, check, None, scalars)
              for name, ops, search, replace, kind, check, scalars in _rules()]
     if _have("npu_add_rms_norm", "npu_dynamic_quant", "npu_add_rms_norm_dynamic_quant", "npu_add_rms_norm_cast"):
@@ -283,7 +281,7 @@ def register_npu_patterns(register: Callable[..., None]) -> int:
             continue
         try:
             with _compat.fake_tensor_mode():
-                register(search, replace, _examples(kind), fwd_only, check, pattern, scalars, False)
+                register(search, replace, _examples(kind), _compat.fwd_only_no_decomp, check, pattern, scalars, False)
         except Exception as exc:
             log.warning("npugraph_ex: NPU fusion rule %s could not be traced (%s); it is skipped", name, exc)
             continue

@@ -12,8 +12,11 @@ updated with ``index_copy_`` is copied whole every step. Two passes undo that:
   ``as_strided_scatter`` (a view of ``p`` plus ``copy_``), the generic epilogue
   ``copy_(p, f(...))`` where ``f`` has an ``out=`` variant (``f(..., out=p)``), and custom ops
   with mutable arguments (``auto_functionalized``: no clone of what may be written directly).
+  ``p`` may be a view of a graph input as well (``kc[layer].index_put_(...)`` on one stacked
+  KV buffer): the ``copy_`` into a view that a ``*_scatter`` becomes is an epilogue like AOT's.
 
-Both refuse when the old value is read afterwards (through any alias), when the shapes,
+Both refuse when the old value is read afterwards (for an input: before the functional graph
+wrote it back) through any alias, when the shapes,
 strides or dtypes differ (broadcasting, type promotion, another layout), when the written tensor
 may overlap itself (:mod:`npugraph_passes.overlap`) or another argument, when a node on another
 stream uses the tensor with no event between, and when a collective reads or writes the tensor

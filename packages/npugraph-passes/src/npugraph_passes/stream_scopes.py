@@ -21,7 +21,9 @@ Users leave ``npugraph_ex.scope_enter/scope_exit`` (stream and core-limit scopes
   allocation there while another stream may still read it -- what ``Tensor.record_stream`` is
   for in eager code. After the join every stream's work is ordered before the default stream's.
 
-Each node's stream label (None: the default stream) is left in ``node.meta["stream_label"]``.
+Each node's stream label (None: the default stream) is left in ``node.meta["stream_label"]``, and
+the graph's name and device in ``gm.meta``: :func:`order_streams` gives a later pass's new
+record/wait pair its event the same way.
 :func:`retag_graph_events` renames a graph's events when a saved graph is loaded under a new
 name, so that its events are its own and not those of another graph of the process."""
 
@@ -43,6 +45,8 @@ from npugraph_passes.stream_safety import (
 )
 
 PASS_NAME = "lower_stream_scopes"
+#: gm.meta key: (graph name, device) the scope ops of the graph were lowered for
+LOWERED_META = "npugraph_ex_stream_events"
 DEVICE_KEY = "_device"
 CORE_KEYS = ("_op_aicore_num", "_op_vectorcore_num")
 
@@ -157,12 +161,38 @@ def lower_stream_scopes(gm: torch.fx.GraphModule, device: torch.device, graph_na
     streams = StreamMap(graph)
     for node, stream_label in streams.label.items():
         node.meta["stream_label"] = stream_label
+    gm.meta[LOWERED_META] = (graph_name, dev)
     if first_enter:
         crossing = _used_on_other_streams(graph, streams.label)
         if crossing:
             join.args = ([*tokens, *crossing],)
     gm.recompile()
     return True
+
+
+def order_streams(gm: torch.fx.GraphModule, after: torch.fx.Node, before: torch.fx.Node) -> None:
+    """``before``'s stream waits for ``after`` (a node on another stream): ``record()`` right
+    after ``after`` and ``wait([it])`` right before ``before``, each with its graph event where
+    the graph's scopes were lowered already."""
+    graph, ops = gm.graph, _ops()
+    with graph.inserting_after(after):
+        token = graph.call_function(ops.record.default, ())
+    with graph.inserting_before(before):
+        wait = graph.call_function(ops.wait.default, ([token],))
+    val = after.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        token.meta["val"] = val.new_empty((1,), dtype=torch.int8)
+    lowered = gm.meta.get(LOWERED_META)
+    if lowered is None:
+        return
+    name, dev = lowered
+    tag = f"{name}_{token.name}"
+    with graph.inserting_after(token):
+        record_event = graph.call_function(ops.event_record.default, (tag, dev))
+    with graph.inserting_before(wait):
+        wait_event = graph.call_function(ops.event_wait.default, (tag, dev))
+    for node, at in ((token, after), (record_event, after), (wait, before), (wait_event, before)):
+        node.meta["stream_label"] = at.meta.get("stream_label")
 
 
 def _used_on_other_streams(
@@ -194,6 +224,8 @@ def retag_graph_events(gm: torch.fx.GraphModule, old_name: str, new_name: str) -
             if isinstance(tag, str) and tag.startswith(old_prefix):
                 node.args = (f"{new_name}_{tag[len(old_prefix):]}", *node.args[1:])
                 changed = True
+    if gm.meta.get(LOWERED_META, (None,))[0] == old_name:
+        gm.meta[LOWERED_META] = (new_name, gm.meta[LOWERED_META][1])
     if changed:
         gm.recompile()
     return changed
