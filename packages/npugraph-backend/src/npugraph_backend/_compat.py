@@ -417,3 +417,46 @@ def install_cpu_stream_hint(message: str) -> None:
 
     cur_stream._npugraph_ex_hint = True  # type: ignore[attr-defined]
     SymbolicStreamState.cur_stream = cur_stream  # type: ignore[method-assign]
+
+
+# --- symbolic sizes for padding (padding_analysis.py) ------------------------------------------
+# SymInt.node.expr (the sympy expression of a symbolic size) and torch._dynamo.config's
+# assume_static_by_default / automatic_dynamic_shapes (what torch.compile's dynamic= set):
+# checked on 2.13.0 and 2.11.0.
+def sym_expr(s: object) -> Any:
+    """The sympy expression of a symbolic int (None for a plain int or anything else)."""
+    if isinstance(s, torch.SymInt) and symint_is_symbolic(s):
+        return s.node.expr
+    return None
+
+
+def dynamic_shapes_off() -> bool:
+    """torch.compile(..., dynamic=False) is compiling: no graph of it will have symbolic sizes."""
+    import torch._dynamo.config as dynamo_config
+
+    return bool(dynamo_config.assume_static_by_default) and not dynamo_config.automatic_dynamic_shapes
+
+
+def dynamo_input_names(gm: torch.fx.GraphModule) -> tuple[str | None, ...]:
+    """Per Dynamo placeholder, the forward argument it is (``LocalSource``'s local name), or None
+    (an attribute, a parameter, a shape); from ``node.meta["grapharg"].source``."""
+    names: list[str | None] = []
+    for node in placeholders(gm):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        names.append(getattr(source, "local_name", None) if type(source).__name__ == "LocalSource"
+                     else None)
+    return tuple(names)
+
+
+def dynamo_argument_names(gm: torch.fx.GraphModule) -> tuple[str, ...]:
+    """The forward's argument names that reach this graph (the base ``LocalSource`` of every
+    placeholder's source), sorted."""
+    found: set[str] = set()
+    for node in placeholders(gm):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        while source is not None and type(source).__name__ != "LocalSource":
+            source = getattr(source, "base", None)
+        name = getattr(source, "local_name", None)
+        if isinstance(name, str) and name != "self":
+            found.add(name)
+    return tuple(sorted(found))

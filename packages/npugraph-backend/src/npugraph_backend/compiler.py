@@ -27,6 +27,8 @@ from npugraph_backend import _compat, process_groups
 from npugraph_backend.config import NPU_ONLY_OPTIONS, CompilerConfig, rebuild_config
 from npugraph_backend.dfx import ranges
 from npugraph_backend.logs import log
+from npugraph_backend.padding import PaddedCall
+from npugraph_backend.padding_analysis import ArgumentNames, PaddingPlan, plan_for
 
 
 class EagerFallbackWarning(UserWarning):
@@ -121,8 +123,10 @@ class CompiledGraph:
         device: torch.device,
         eager_reason: str | None = None,
         debug: Any = None,
+        padding: PaddingPlan | None = None,
     ) -> None:
         self.gm = gm
+        self.padding = padding
         self.inputs = inputs
         self.outputs = outputs
         self.config = config
@@ -173,6 +177,8 @@ class CompiledGraph:
                 functional=True,
             )
             fn = self.runner
+            if self.padding is not None:
+                fn = PaddedCall(fn, self.padding)
             if debug is not None:
                 from npugraph_backend.dfx import debug as debug_dumps
 
@@ -201,6 +207,7 @@ class CompiledGraph:
             "name": self.name,
             "device": str(self.device),
             "eager_reason": self.eager_reason,
+            "padding": self.padding,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -211,6 +218,7 @@ class CompiledGraph:
         self.name = state["name"]
         self.device = torch.device(state["device"])
         self.eager_reason = state["eager_reason"]
+        self.padding = state.get("padding")
         # TORCH_COMPILE_DEBUG=1 on a warm start: this graph's dumps (read here first: a warm
         # start imports no dfx module otherwise)
         debug = begin_debug(None) if os.environ.get("TORCH_COMPILE_DEBUG") == "1" else None
@@ -229,9 +237,11 @@ def compile_graph(
     example_inputs: Sequence[object],
     config: CompilerConfig,
     debug: Any = None,
+    names: ArgumentNames | None = None,
 ) -> CompiledGraph:
     """Passes, specs, then the runtime's GraphedCallable. ``config`` is not modified.
-    ``debug``: the TORCH_COMPILE_DEBUG session of this graph (None: begin one if enabled)."""
+    ``debug``: the TORCH_COMPILE_DEBUG session of this graph (None: begin one if enabled).
+    ``names``: the forward's argument names of the Dynamo graph's inputs (for pad_values)."""
     from npugraph_passes.stream_scopes import lower_stream_scopes
 
     from npugraph_backend.dfx import data_dump, deadlock
@@ -251,6 +261,8 @@ def compile_graph(
     if _dump_original(config):
         return CompiledGraph(gm, specs.inputs, specs.outputs, config, name, device,
                              "data_dump_stage='original' runs the original graph eagerly", debug)
+    # on the graph as AOT made it: functional ops, the user's source lines
+    padding = plan_for(gm, specs, config, names)
     # streams and core limits of the graph first: the passes must see its events
     if lower_stream_scopes(gm, device, name):
         # the graph's events live as long as the graph module does
@@ -274,28 +286,32 @@ def compile_graph(
         _compat.counters()[fallback_counter(UNSAFE_OP, name)] += 1
         log.info("%s falls back to eager: %s", name, eager_reason)
     return CompiledGraph(gm, specs.inputs, specs.outputs, config, name, device, eager_reason,
-                         debug)
+                         debug, padding)
 
 
 class ForwardCompiler:
     """AOT's inference compiler for one Dynamo graph. Picklable: its state is the options (the
     debug session of the graph being compiled is not part of it)."""
 
-    def __init__(self, config: CompilerConfig, debug: Any = None) -> None:
+    def __init__(
+        self, config: CompilerConfig, debug: Any = None, names: ArgumentNames | None = None
+    ) -> None:
         self.config = config
         self.debug = debug
+        self.names = names
 
     def __call__(
         self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]
     ) -> CompiledGraph:
-        return compile_graph(gm, example_inputs, self.config, self.debug)
+        return compile_graph(gm, example_inputs, self.config, self.debug, self.names)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"config": self.config.as_dict()}
+        return {"config": self.config.as_dict(), "names": self.names}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.config = rebuild_config(state["config"])
         self.debug = None
+        self.names = state.get("names")
 
 
 class EagerCompiler:
