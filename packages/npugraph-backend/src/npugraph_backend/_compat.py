@@ -448,6 +448,18 @@ def dynamo_input_names(gm: torch.fx.GraphModule) -> tuple[str | None, ...]:
     return tuple(names)
 
 
+def dynamo_input_labels(gm: torch.fx.GraphModule) -> tuple[str | None, ...]:
+    """Per Dynamo placeholder, how the user's code names it (``Source.name``: ``L['self'].kc``),
+    for messages. ``name`` is a cached property on 2.13, a method before."""
+    labels: list[str | None] = []
+    for node in placeholders(gm):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        name = getattr(source, "name", None)
+        name = name() if callable(name) else name
+        labels.append(name if isinstance(name, str) else None)
+    return tuple(labels)
+
+
 def dynamo_argument_names(gm: torch.fx.GraphModule) -> tuple[str, ...]:
     """The forward's argument names that reach this graph (the base ``LocalSource`` of every
     placeholder's source), sorted."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -89,13 +90,19 @@ def _is_capture_sizes(v: object) -> bool:
         return False
     if not all(type(x) is int and x >= 1 for x in v):
         return False
-    return all(a < b for a, b in zip(v, v[1:], strict=False))
+    return all(a < b for a, b in itertools.pairwise(v))
+
+
+def resolved_capture_sizes(config: CompilerConfig) -> tuple[int, ...] | None:
+    """capture_sizes as sizes ("auto": AUTO_CAPTURE_SIZES)."""
+    sizes = config.capture_sizes
+    return AUTO_CAPTURE_SIZES if sizes == "auto" else sizes  # type: ignore[return-value]
 
 
 def _capture_sizes(v: object) -> object:
     if v is None:
         return None
-    return AUTO_CAPTURE_SIZES if v == "auto" else tuple(v)  # type: ignore[arg-type]
+    return v if v == "auto" else tuple(v)  # type: ignore[arg-type]
 
 
 def _is_pad_values(v: object) -> bool:
@@ -226,7 +233,7 @@ class CompilerConfig:
     deadlock_check: bool
     static_kernel_compile: bool
     disable_static_kernel_compile_cache: bool
-    capture_sizes: tuple[int, ...] | None
+    capture_sizes: tuple[int, ...] | str | None
     pad_values: dict[str, int | float | bool] | None
     mode: str
 

@@ -1,6 +1,7 @@
 """Whether a graph with dynamic shapes may be padded to a capture size, decided on its FX graph.
 
-The padded symbols are the symbolic sizes of input tensor dims. A call of size v padded to t runs
+The padded symbols are the symbolic sizes of the leading dim (the batch) of input tensors; such
+a symbol is padded wherever it appears. A call of size v padded to t runs
 the graph as a function of t; it returns the rows a call of size v returns, and leaves the same
 state, if every real element (all padded-dim indices below v) of every value depends on real
 elements only. Each op keeps that if it never reduces, contracts, sorts, scans, selects, slices
@@ -18,13 +19,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import sympy
 import torch
 import torch.fx
 from npugraph_runtime import InputSpec, OutputSpec, SlotKind
 
 from npugraph_backend import _compat
-from npugraph_backend.config import CompilerConfig, OptionError
+from npugraph_backend.config import CompilerConfig, OptionError, resolved_capture_sizes
 from npugraph_backend.logs import log
 from npugraph_backend.specs import GraphSpecs
 
@@ -59,7 +59,7 @@ _MOVES = {
     "permute", "transpose", "t", "unsqueeze", "squeeze", "clone", "contiguous", "alias", "detach",
     "_to_copy", "lift_fresh_copy", "expand", "copy", "stack", "numpy_T", "view_as_real",
     "view_as_complex", "expand_copy", "permute_copy", "unsqueeze_copy", "squeeze_copy",
-    "transpose_copy", "t_copy", "clone", "_conj", "fill", "zeros_like", "ones_like",
+    "transpose_copy", "t_copy", "_conj", "fill", "zeros_like", "ones_like",
     "empty_like", "full_like", "masked_fill", "where", "resolve_conj", "resolve_neg",
 }
 _RESHAPES = {"view", "_unsafe_view", "reshape", "view_copy"}
@@ -91,6 +91,8 @@ _SIZE_ARGS = {"size", "end", "length", "split_size", "split_sizes", "sections", 
 # ops through which an index keeps its values (a scratch row stays the scratch row)
 _KEEPS_VALUES = _MOVES - {"fill", "zeros_like", "ones_like", "empty_like", "full_like",
                           "masked_fill", "where"} | _RESHAPES | {"slice"}
+# a part of its first argument (a message names the input it is part of)
+_VIEWS_OF = {"select", "narrow", "diagonal", "as_strided"}
 _MAX_INT64 = 2**63 - 1
 
 
@@ -122,9 +124,11 @@ def _val(arg: object) -> Any:
 class _Graph:
     """The padded dims of every value of one graph, and the checks of each op."""
 
-    def __init__(self, symbols: set[Any], names: Mapping[str, str], pads: Mapping[str, object]):
+    def __init__(self, symbols: set[Any], names: Mapping[str, str], labels: Mapping[str, str],
+                 pads: Mapping[str, object]):
         self.symbols = symbols
         self.names = names  # placeholder name -> forward argument name
+        self.labels = labels  # placeholder name -> the user's name of it (L['self'].kc)
         self.pads = pads  # placeholder name -> pad value
 
     def has_symbol(self, size: object) -> bool:
@@ -146,18 +150,20 @@ class _Graph:
 
     def input_of(self, arg: object) -> str:
         """The forward argument a tensor comes from, as a message says it."""
-        root = self.index_root(arg)
+        root = self.index_root(arg, _KEEPS_VALUES | _VIEWS_OF)
         if root is not None:
             name = self.names.get(root.name)
-            return f"input {name!r}" if name else f"input {root.name}"
+            return f"input {name!r}" if name else f"input {self.labels.get(root.name, root.name)}"
         return f"{arg.name if isinstance(arg, torch.fx.Node) else arg!r} (computed in the graph)"
 
-    def index_root(self, arg: object) -> torch.fx.Node | None:
+    def index_root(self, arg: object, through: frozenset[str] | set[str] = frozenset()
+                   ) -> torch.fx.Node | None:
         """The placeholder an index is, through ops that keep its values (None: computed)."""
+        through = through or _KEEPS_VALUES
         while isinstance(arg, torch.fx.Node):
             if arg.op == "placeholder":
                 return arg
-            if arg.op != "call_function" or _op_name(arg) not in _KEEPS_VALUES or not arg.args:
+            if arg.op != "call_function" or _op_name(arg) not in through or not arg.args:
                 return None
             arg = arg.args[0]
         return None
@@ -355,12 +361,13 @@ def _product(sizes: Sequence[object]) -> object:
 
 
 def _same(a: object, b: object) -> bool:
-    ea = _compat.sym_expr(a) if isinstance(a, torch.SymInt) else a
-    eb = _compat.sym_expr(b) if isinstance(b, torch.SymInt) else b
+    ea: Any = _compat.sym_expr(a) if isinstance(a, torch.SymInt) else a
+    eb: Any = _compat.sym_expr(b) if isinstance(b, torch.SymInt) else b
     if ea is None or eb is None:
         return False
     try:
-        return bool(ea == eb) or bool(sympy.simplify(ea - eb) == 0)
+        difference = ea - eb
+        return bool(difference == 0) or bool(getattr(difference, "simplify", lambda: 1)() == 0)
     except TypeError:
         return False
 
@@ -371,20 +378,25 @@ def plan_padding(
     outputs: OutputSpec,
     sizes: tuple[int, ...],
     pad_values: Mapping[str, int | float | bool] | None,
-    input_names: Sequence[str | None] | None,
-    argument_names: Sequence[str] | None,
+    arguments: ArgumentNames | None,
 ) -> PaddingPlan | None:
     """The padding of ``gm`` (an AOT inference graph, before passes), None when it has no
     symbolic input size; raises PaddingRefused where padding cannot be shown safe."""
     nodes = _compat.placeholders(gm)
     # placeholder -> forward argument name, through AOT's descriptors and Dynamo's sources
+    input_names = arguments.inputs if arguments is not None else None
+    argument_names = arguments.arguments if arguments is not None else None
     names: dict[str, str] = {}
+    labels: dict[str, str] = {}
     for node in nodes:
         origin, flat = _compat.input_origin(node)
-        if origin == "plain" and flat is not None and input_names and flat < len(input_names):
-            name = input_names[flat]
+        if origin == "plain" and flat is not None and arguments is not None:
+            name = arguments.inputs[flat] if flat < len(arguments.inputs) else None
             if name:
                 names[node.name] = name
+            label = arguments.labels[flat] if flat < len(arguments.labels) else None
+            if label:
+                labels[node.name] = label
     pad_values = dict(pad_values or {})
     if pad_values:
         allowed = sorted(argument_names or set(names.values()))
@@ -405,14 +417,15 @@ def plan_padding(
         value = node.meta.get("val")
         if not isinstance(value, torch.Tensor):
             continue
-        for dim, size in enumerate(value.shape):
-            expr = _compat.sym_expr(size)
-            if expr is not None and expr.is_Symbol and expr not in symbols:
-                symbols.append(expr)
-                locate.append((slot, dim))
+        # the batch: the leading dim; other symbolic dims (dynamic=True makes every dim one)
+        # keep one capture per size
+        expr = _compat.sym_expr(value.shape[0]) if value.dim() else None
+        if expr is not None and expr.is_Symbol and expr not in symbols:
+            symbols.append(expr)
+            locate.append((slot, 0))
     if not symbols:
         return None
-    graph = _Graph(set(symbols), names, {
+    graph = _Graph(set(symbols), names, labels, {
         n: v for n, v in ((p, pad_values.get(a)) for p, a in names.items()) if v is not None})
 
     padded_inputs: list[PaddedInput] = []
@@ -427,7 +440,7 @@ def plan_padding(
             int_slots.append((slot, symbols.index(expr)))
             continue
         dims = graph.pdims(node)
-        if not dims:
+        if not dims or not isinstance(value, torch.Tensor):
             continue
         if inputs.kinds[slot] not in (SlotKind.USER, SlotKind.MUTATED):
             raise PaddingRefused(f"npugraph_ex capture_sizes: static input {node.name} has the "
@@ -435,12 +448,13 @@ def plan_padding(
         pairs = []
         for d in dims:
             e = _compat.sym_expr(value.shape[d])
-            if not e.is_Symbol:
+            if e is None or not e.is_Symbol:
                 raise PaddingRefused(f"npugraph_ex capture_sizes: dim {d} of input "
                                      f"{names.get(node.name, node.name)!r} has size {e}, not a "
                                      "plain symbolic size; padding cannot rewrite it")
             pairs.append((d, symbols.index(e)))
-        padded_inputs.append(PaddedInput(slot, tuple(pairs), graph.pads.get(node.name),
+        pad = pad_values.get(names.get(node.name, ""))
+        padded_inputs.append(PaddedInput(slot, tuple(pairs), pad,
                                          inputs.kinds[slot] is SlotKind.MUTATED))
 
     for node in gm.graph.nodes:
@@ -464,7 +478,7 @@ def plan_padding(
             raise PaddingRefused(f"npugraph_ex capture_sizes: output {j} is a view of the padded "
                                  f"input {names.get(nodes[alias].name, nodes[alias].name)!r}; a "
                                  "padded call would return a view of its padded copy")
-        dims: list[tuple[int, int, int]] = []
+        sliced: list[tuple[int, int, int]] = []
         for d in graph.pdims(out):
             e = _compat.sym_expr(value.shape[d])
             symbol = next((s for s in symbols if s in e.free_symbols), None)
@@ -474,8 +488,8 @@ def plan_padding(
                     f"npugraph_ex capture_sizes: dim {d} of output {j} has size {e}, not a "
                     "padded size times a constant; its real part cannot be sliced back"
                     + (f" (from {where(out)})" if isinstance(out, torch.fx.Node) else ""))
-            dims.append((d, symbols.index(symbol), int(factor)))
-        out_plan.append(tuple(dims))
+            sliced.append((d, symbols.index(symbol), int(factor)))
+        out_plan.append(tuple(sliced))
     return PaddingPlan(sizes, tuple(str(s) for s in symbols), tuple(locate),
                        tuple(padded_inputs), tuple(int_slots), tuple(out_plan))
 
@@ -489,6 +503,7 @@ class ArgumentNames:
     inputs: tuple[str | None, ...]
     arguments: tuple[str, ...]
     dynamic_off: bool
+    labels: tuple[str | None, ...] = ()
 
 
 def argument_names(gm: torch.fx.GraphModule, config: CompilerConfig) -> ArgumentNames | None:
@@ -496,7 +511,7 @@ def argument_names(gm: torch.fx.GraphModule, config: CompilerConfig) -> Argument
     if config.capture_sizes is None:
         return None
     return ArgumentNames(_compat.dynamo_input_names(gm), _compat.dynamo_argument_names(gm),
-                         _compat.dynamic_shapes_off())
+                         _compat.dynamic_shapes_off(), _compat.dynamo_input_labels(gm))
 
 
 def plan_for(
@@ -510,15 +525,13 @@ def plan_for(
                 f"option 'pad_values': value {config.pad_values!r} is not allowed without "
                 "capture_sizes; allowed: None, or set capture_sizes (a list of sizes or 'auto')")
         return None
-    plan = plan_padding(
-        gm, specs.inputs, specs.outputs, config.capture_sizes, config.pad_values,
-        names.inputs if names is not None else None,
-        names.arguments if names is not None else None,
-    )
+    sizes = resolved_capture_sizes(config)
+    assert sizes is not None
+    plan = plan_padding(gm, specs.inputs, specs.outputs, sizes, config.pad_values, names)
     if plan is None:
         if names is not None and names.dynamic_off:
             raise OptionError(
-                f"option 'capture_sizes': value {list(config.capture_sizes)!r} needs dynamic "
+                f"option 'capture_sizes': value {config.capture_sizes!r} needs dynamic "
                 "shapes, and this graph has no symbolic size (torch.compile was given "
                 "dynamic=False); allowed: compile with dynamic=True (or mark the batch dim "
                 "dynamic with torch._dynamo.mark_dynamic), or capture_sizes=None")
