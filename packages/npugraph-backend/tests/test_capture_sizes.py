@@ -231,3 +231,27 @@ def test_options_round_trip() -> None:
     rebuilt = CompilerConfig.from_options(config.as_dict())
     assert rebuilt == config and rebuilt.hash() == config.hash()
     assert _compat.counters() is not None
+
+
+def test_reshape_keeps_rows_apart_only_with_the_batch_outermost(
+    counter: Callable[[str], int],
+) -> None:
+    def heads(x: torch.Tensor) -> torch.Tensor:
+        # [B, 4 * 8] -> [B, 4, 8] -> [B * 4, 8]: each row stays a block of its own
+        y = x.view(x.shape[0], 4, 8).softmax(-1).reshape(-1, 8)
+        return y.view(x.shape[0], 32) * 2
+
+    compiled = _compiled(heads, capture_sizes=[4, 8])
+    for size in (3, 5, 7):
+        x = torch.randn(size, 32)
+        torch.testing.assert_close(compiled(x), heads(x))
+    assert counter("capture_due_to_new_key") == 2
+
+    def interleaved(x: torch.Tensor) -> torch.Tensor:
+        return x.t().reshape(-1)[:4] * 1.0  # [32, B] -> [32 * B]: rows interleave
+
+    with pytest.raises(Exception) as excinfo:
+        _compiled(interleaved, capture_sizes=[4, 8])(torch.randn(3, 32))
+    message = str(_refusal(excinfo))
+    assert "aten._unsafe_view" in message and "mixes the padded rows with real ones" in message
+    assert "x.t().reshape(-1)[:4]" in message

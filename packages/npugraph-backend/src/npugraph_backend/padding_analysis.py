@@ -86,8 +86,10 @@ _SCATTERS = {
     "scatter_", "index_add", "index_add_", "scatter_add", "scatter_add_", "scatter_reduce",
     "scatter_reduce_", "index_fill", "index_fill_", "_index_put_impl_", "_index_put_impl",
 }
-# arguments where a padded size may appear: it is a size, not a value
-_SIZE_ARGS = {"size", "end", "length", "split_size", "split_sizes", "sections", "shape"}
+# arguments where a padded size may appear: it is a size, not a value (a slice's or arange's
+# end, a narrow's length: the first rows stay the same rows; not a split size, whose later
+# chunks would start elsewhere)
+_SIZE_ARGS = {"size", "end", "length", "shape"}
 # ops through which an index keeps its values (a scratch row stays the scratch row)
 _KEEPS_VALUES = _MOVES - {"fill", "zeros_like", "ones_like", "empty_like", "full_like",
                           "masked_fill", "where"} | _RESHAPES | {"slice"}
@@ -97,8 +99,13 @@ _MAX_INT64 = 2**63 - 1
 
 
 def where(node: torch.fx.Node) -> str:
-    """The user's source line of a node (the last frame of its recorded stack trace)."""
+    """The user's source line of a node (the last frame of its recorded stack trace; a node
+    AOT's decompositions made without one: the line of a neighbour)."""
     trace = node.meta.get("stack_trace")
+    for other in (*node.users, *node.all_input_nodes):
+        if trace:
+            break
+        trace = other.meta.get("stack_trace")
     if not isinstance(trace, str) or not trace.strip():
         return "no source line recorded"
     lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
@@ -230,7 +237,7 @@ class _Graph:
                        for v in values):
                 continue
             if arg in _SIZE_ARGS and (name in _RESHAPES | _CREATIONS | {"expand", "slice",
-                                                                         "narrow", "split"}
+                                                                         "narrow"}
                                       or name.startswith("new_")):
                 continue
             raise self.refuse(node, f"its argument {arg!r} uses the padded size as a value, which "
