@@ -184,7 +184,7 @@ class CompiledGraph:
 
                 summary = debug_dumps.spec_summary(self.gm, self.inputs, policy, self.outputs)
                 debug.output_code(self.gm, summary)
-                fn = debug.watch(self.runner, summary)
+                fn = debug.watch(fn, summary)  # the padded call too: it reads the runner's events
         if self.config.dump_tensor_data:
             from npugraph_backend.dfx import data_dump
 
