@@ -3,14 +3,15 @@
 Wraps the graph's runner (the runtime's GraphedCallable) from the backend, so the runtime keeps
 keying captures by the sizes it sees: only listed sizes (and sizes above the largest) reach it.
 Per call: read each padded size, pick the next capture size, copy every padded input into a
-tensor of that size (pad rows: the input's pad value, or a copy of its last real row, which keeps
-an index in range and a float finite), replay, write the real rows of padded mutated inputs
+buffer of that size kept for it (pad rows: the input's pad value, or a copy of its last real
+row, which keeps an index in range and a float finite), replay, write the real rows of padded mutated inputs
 back, and return the outputs narrowed to the real rows (views of the capture's outputs, as an
 unpadded call returns the outputs themselves). padding_analysis.py decides that this is safe."""
 
 from __future__ import annotations
 
 import bisect
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,26 +20,43 @@ import torch
 from npugraph_backend.padding_analysis import PaddedInput, PaddingPlan
 
 
-def _pad(x: torch.Tensor, spec: PaddedInput, real: Sequence[int], target: Sequence[int]
-         ) -> torch.Tensor:
-    shape = list(x.shape)
-    for dim, sym in spec.dims:
-        shape[dim] = target[sym]
-    out = x.new_empty(shape)
-    region = out
-    for dim, sym in spec.dims:
-        region = region.narrow(dim, 0, real[sym])
-    region.copy_(x)
-    for dim, sym in spec.dims:
-        extra = target[sym] - real[sym]
-        if extra == 0:
-            continue
-        rows = out.narrow(dim, real[sym], extra)
+class _Padded:
+    """One padded input at one (real size, capture size): the buffer of the capture size and
+    its views, made once, so a call costs a copy of the real rows and a fill of the pad rows."""
+
+    __slots__ = ("buffer", "last", "parts", "real", "region")
+
+    def __init__(self, buffer: torch.Tensor, last: list[object], spec: PaddedInput,
+                 real: tuple[int, ...], target: Sequence[int]) -> None:
+        self.buffer = buffer
+        self.last = last  # [the real sizes of the buffer's last fill], shared by its views
+        self.real = real
+        region = buffer
+        for dim, sym in spec.dims:
+            region = region.narrow(dim, 0, real[sym])
+        self.region = region
+        # per padded dim: (pad rows, the last real row broadcast over them); rows of a later dim
+        # span the earlier dims' pad rows too, so every pad element is written
+        self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for dim, sym in spec.dims:
+            extra = target[sym] - real[sym]
+            if extra:
+                rows = buffer.narrow(dim, real[sym], extra)
+                edge = buffer.narrow(dim, real[sym] - 1, 1).expand_as(rows)
+                self.parts.append((rows, edge))
+
+    def fill(self, x: torch.Tensor, spec: PaddedInput) -> torch.Tensor:
+        self.region.copy_(x)
         if spec.pad is None:
-            rows.copy_(out.narrow(dim, real[sym] - 1, 1).expand_as(rows))
-        else:
-            rows.fill_(spec.pad)
-    return out
+            for rows, edge in self.parts:
+                rows.copy_(edge)
+        elif spec.mutated or self.last[0] != self.real:
+            # a constant pad stays in place until a call of another real size or the graph
+            # writes there
+            for rows, _ in self.parts:
+                rows.fill_(spec.pad)
+            self.last[0] = self.real
+        return self.buffer
 
 
 def _real(x: torch.Tensor, dims: Sequence[tuple[int, int, int]], real: Sequence[int]
@@ -56,6 +74,7 @@ class PaddedCall:
         self.plan = plan
         self._sizes = list(plan.sizes)
         self._largest = plan.sizes[-1]
+        self._local = threading.local()
 
     def _target(self, size: int) -> int:
         if size >= self._largest:
@@ -71,20 +90,46 @@ class PaddedCall:
         padded = list(args)
         for slot, sym in plan.int_slots:
             padded[slot] = target[sym]
-        for spec in plan.inputs:
-            padded[spec.slot] = _pad(args[spec.slot], spec, real, target)
+        views = self._views(tuple(real), tuple(target), args)
+        for spec, view in zip(plan.inputs, views, strict=True):
+            padded[spec.slot] = view.fill(args[spec.slot], spec)
         outs = self.fn(*padded)
-        for spec in plan.inputs:
+        for spec, view in zip(plan.inputs, views, strict=True):
             if spec.mutated:
-                region = padded[spec.slot]
-                for dim, sym in spec.dims:
-                    region = region.narrow(dim, 0, real[sym])
-                args[spec.slot].copy_(region)
+                args[spec.slot].copy_(view.region)
         sliced = [
             _real(out, dims, real) if dims and isinstance(out, torch.Tensor) else out
             for out, dims in zip(outs, plan.outputs, strict=True)
         ]
         return type(outs)(sliced) if isinstance(outs, tuple) else sliced
+
+    def _views(self, real: tuple[int, ...], target: tuple[int, ...], args: Sequence[Any]
+               ) -> list[_Padded]:
+        """The padded inputs of this thread for these sizes. One buffer per input and capture
+        size, kept: the capture reads it where it is (no copy into the capture's own buffer),
+        and calls from other threads have their own."""
+        local = self._local
+        cache: dict[tuple[tuple[int, ...], tuple[int, ...]], list[_Padded]] | None = getattr(
+            local, "views", None)
+        if cache is None:
+            cache = local.views = {}
+            local.buffers = {}
+        views = cache.get((real, target))
+        if views is None:
+            buffers: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, list[object]]] = (
+                local.buffers)
+            views = []
+            for spec in self.plan.inputs:
+                x = args[spec.slot]
+                kept = buffers.get((spec.slot, target))
+                if kept is None:
+                    shape = list(x.shape)
+                    for dim, sym in spec.dims:
+                        shape[dim] = target[sym]
+                    kept = buffers[(spec.slot, target)] = (x.new_empty(shape), [None])
+                views.append(_Padded(kept[0], kept[1], spec, real, target))
+            cache[(real, target)] = views
+        return views
 
     def __getattr__(self, name: str) -> Any:
         # the runner's own attributes (stats, captures) stay reachable through the wrapper
