@@ -182,7 +182,7 @@ def run(ctx: BenchContext) -> Section:
     sec = Section("k", "continuous batching: capture sizes with padding", bar_unit="ms")
     torch.manual_seed(0)
     base = Decoder().to(ctx.device).eval()
-    steps = schedule(120 if ctx.quick else STEPS)
+    steps = schedule(60 if ctx.quick else STEPS)
     rounds = 2 if ctx.quick else 3
     sizes_used = sorted({_next_size(len(s.slots)) for s in steps})
     options = {"capture_sizes": CAPTURE_SIZES, "pad_values": {"slots": SCRATCH}}
@@ -192,7 +192,8 @@ def run(ctx: BenchContext) -> Section:
     compiled: dict[str, Callable[..., Any]] = {}
     facts: dict[str, dict[str, Any]] = {}
     since = counter_snapshot()
-    for name in COMPILERS:
+    # --quick: no inductor (its dynamic-shape compile alone takes a minute here)
+    for name in [c for c in COMPILERS if not (ctx.quick and c == "inductor")]:
         model = Decoder().to(ctx.device).eval()
         model.load_state_dict(base.state_dict())
         try:
@@ -335,7 +336,7 @@ def _fixed(ctx: BenchContext, sec: Section, base: Decoder, options: dict[str, An
     model.load_state_dict(base.state_dict())
     since = counter_snapshot()
     fn = compile_with(own_code(_forward_int, "ours_int"), OURS, options=options, dynamic=True)
-    values, failed = 12, ""  # few: where each value is a Dynamo recompile, that takes seconds
+    values, failed = 4 if ctx.quick else 12, ""  # few: where each value is a Dynamo recompile, that takes seconds
     start = clock()
     with torch.no_grad():
         for p in range(values):
