@@ -255,3 +255,15 @@ def test_reshape_keeps_rows_apart_only_with_the_batch_outermost(
     message = str(_refusal(excinfo))
     assert "aten._unsafe_view" in message and "mixes the padded rows with real ones" in message
     assert "x.t().reshape(-1)[:4]" in message
+
+
+@pytest.mark.parametrize(("pad", "says"), [
+    (64, "is not a row of dim 0"),  # the cache has 64 slots: 0..63
+    (6.5, "that input is torch.int64"),
+])
+def test_refuses_a_pad_value_that_is_no_row(pad: object, says: str) -> None:
+    model = Decoder()
+    with pytest.raises(Exception) as excinfo, torch.no_grad():
+        _compiled(model, capture_sizes=SIZES, pad_values={"slots": pad})(
+            *_batch(3, torch.Generator().manual_seed(0)))
+    assert says in str(_refusal(excinfo))

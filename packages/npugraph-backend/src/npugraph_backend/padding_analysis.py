@@ -330,9 +330,15 @@ class _Graph:
         if self.pdims(base):
             raise self.refuse(node, "it writes into a value with the padded dim at indices that "
                                     "have it too")
-        for index in padded:
-            root = self.index_root(index)
+        for index, dim in zip(indices, indexed, strict=True):
+            root = self.index_root(index) if self.pdims(index) else None
             if root is not None and root.name in self.pads:
+                size = _val(base).shape[dim]
+                pad = self.pads[root.name]
+                if isinstance(size, int) and not (isinstance(pad, int) and -size <= pad < size):
+                    raise self.refuse(node, f"the pad value {pad!r} of "
+                                            f"{self.input_of(index)} is not a row of dim {dim} "
+                                            f"of {self.input_of(base)} (size {size})")
                 return
         named = [self.names.get(r.name) for r in map(self.index_root, padded) if r is not None]
         hint = (f"declare a scratch row for it, e.g. pad_values={{{named[0]!r}: <scratch row>}}"
@@ -354,6 +360,18 @@ def _bind(node: torch.fx.Node, schema: Any) -> dict[str, Any]:
         elif arg.has_default_value():
             bound[arg.name] = arg.default_value
     return bound
+
+
+def _fits(pad: object, dtype: torch.dtype) -> str | None:
+    """None when ``fill_`` stores ``pad`` unchanged in a tensor of ``dtype``, else what is
+    allowed."""
+    if dtype == torch.bool:
+        return None if isinstance(pad, bool) else "True or False"
+    if dtype.is_floating_point or dtype.is_complex:
+        return None
+    info = torch.iinfo(dtype)
+    ok = isinstance(pad, int) and not isinstance(pad, bool) and info.min <= pad <= info.max
+    return None if ok else f"an int in [{info.min}, {info.max}]"
 
 
 def _norm(dim: int, rank: int) -> int:
@@ -461,6 +479,10 @@ def plan_padding(
                                      "plain symbolic size; padding cannot rewrite it")
             pairs.append((d, symbols.index(e)))
         pad = pad_values.get(names.get(node.name, ""))
+        if pad is not None and _fits(pad, value.dtype) is not None:
+            raise PaddingRefused(
+                f"option 'pad_values': value {pad!r} for {names[node.name]!r} is not allowed: "
+                f"that input is {value.dtype}; allowed: {_fits(pad, value.dtype)}")
         padded_inputs.append(PaddedInput(slot, tuple(pairs), pad,
                                          inputs.kinds[slot] is SlotKind.MUTATED))
 
