@@ -267,3 +267,42 @@ def test_refuses_a_pad_value_that_is_no_row(pad: object, says: str) -> None:
         _compiled(model, capture_sizes=SIZES, pad_values={"slots": pad})(
             *_batch(3, torch.Generator().manual_seed(0)))
     assert says in str(_refusal(excinfo))
+
+
+def test_threads_pad_into_buffers_of_their_own(counter: Callable[[str], int]) -> None:
+    import threading
+
+    weight = torch.randn(32, 32)
+
+    def mlp(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ weight) * 2
+
+    compiled = _compiled(mlp, capture_sizes=[8, 16])
+    compiled(torch.randn(5, 32))  # compiled once, before the threads race
+    failures: list[str] = []
+
+    def worker(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(15):
+            x = torch.randn(int(torch.randint(2, 16, (1,), generator=gen)), 32, generator=gen)
+            out = compiled(x)
+            if not torch.allclose(out, mlp(x), rtol=1e-5, atol=1e-5):
+                failures.append(f"thread {seed}, {x.shape[0]} rows")
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    assert counter("captured_") > 0
+
+
+def test_refuses_a_matmul_contracting_the_batch() -> None:
+    def gram(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return x.t() @ y  # [H, B] @ [B, H]: sums over the batch
+
+    with pytest.raises(Exception) as excinfo:
+        _compiled(gram, capture_sizes=SIZES)(torch.randn(3, 4), torch.randn(3, 4))
+    message = str(_refusal(excinfo))
+    assert "aten.mm" in message and "contracts dim" in message and "x.t() @ y" in message

@@ -1,7 +1,7 @@
 """Whether a graph with dynamic shapes may be padded to a capture size, decided on its FX graph.
 
-The padded symbols are the symbolic sizes of the leading dim (the batch) of input tensors; such
-a symbol is padded wherever it appears. A call of size v padded to t runs
+The padded symbols are the batch: symbolic sizes that are the leading dim of every input tensor
+they size; such a symbol is padded wherever it appears. A call of size v padded to t runs
 the graph as a function of t; it returns the rows a call of size v returns, and leaves the same
 state, if every real element (all padded-dim indices below v) of every value depends on real
 elements only. Each op keeps that if it never reduces, contracts, sorts, scans, selects, slices
@@ -93,6 +93,11 @@ _SIZE_ARGS = {"size", "end", "length", "shape"}
 # ops through which an index keeps its values (a scratch row stays the scratch row)
 _KEEPS_VALUES = _MOVES - {"fill", "zeros_like", "ones_like", "empty_like", "full_like",
                           "masked_fill", "where"} | _RESHAPES | {"slice"}
+_MATMUL_OPERANDS = {
+    "mm": ("self", "mat2"), "addmm": ("mat1", "mat2"), "bmm": ("self", "mat2"),
+    "baddbmm": ("batch1", "batch2"), "addbmm": ("batch1", "batch2"), "matmul": ("self", "other"),
+    "mv": ("self", "vec"), "addmv": ("mat", "vec"), "dot": ("self", "tensor"),
+}
 # a part of its first argument (a message names the input it is part of)
 _VIEWS_OF = {"select", "narrow", "diagonal", "as_strided"}
 _MAX_INT64 = 2**63 - 1
@@ -210,7 +215,7 @@ class _Graph:
             x = bound["input"]
             n = len(bound["normalized_shape"])
             self._refuse_dims(node, x, range(_val(x).dim() - n, _val(x).dim()), "normalizes over")
-        elif name in ("mm", "addmm", "bmm", "baddbmm", "matmul", "addbmm", "addmv", "mv", "dot"):
+        elif name in _MATMUL_OPERANDS:
             self._check_matmul(node, name, bound)
         elif "scaled_dot_product" in name:
             self._refuse_dims(node, bound["query"], [-1], "contracts")
@@ -260,15 +265,11 @@ class _Graph:
         self._refuse_dims(node, x, dims, "reduces, sorts or scans over")
 
     def _check_matmul(self, node: torch.fx.Node, name: str, bound: dict[str, Any]) -> None:
-        names = [k for k in ("mat1", "mat2", "batch1", "batch2", "self", "other", "mat", "vec",
-                             "tensor") if k in bound and isinstance(_val(bound[k]), torch.Tensor)]
-        if name in ("addmm", "baddbmm", "addbmm", "addmv"):
-            names = [k for k in names if k != "self"]  # the added term is pointwise
-        left, right = (bound[names[0]], bound[names[1]]) if len(names) >= 2 else (bound[names[0]],
-                                                                                  None)
+        # (left, right) operands; addmm's & co.'s "self" is the added term, pointwise
+        left_name, right_name = _MATMUL_OPERANDS[name]
+        left, right = bound[left_name], bound[right_name]
         self._refuse_dims(node, left, [-1], "contracts")
-        if right is not None:
-            self._refuse_dims(node, right, [0 if _val(right).dim() == 1 else -2], "contracts")
+        self._refuse_dims(node, right, [0 if _val(right).dim() == 1 else -2], "contracts")
         if name == "addbmm":
             self._refuse_dims(node, left, [0], "sums over")
 
@@ -397,6 +398,30 @@ def _same(a: object, b: object) -> bool:
         return False
 
 
+def _batch_symbols(nodes: Sequence[torch.fx.Node], inputs: InputSpec
+                   ) -> tuple[list[Any], list[tuple[int, int | None]]]:
+    """The batch: a symbolic size that is the leading dim of every input tensor it sizes (a
+    size that is also an inner dim somewhere, a hidden size a weight shares, is not a batch).
+    Other symbolic dims (dynamic=True makes every dim one) keep one capture per size."""
+    symbols: list[Any] = []
+    locate: list[tuple[int, int | None]] = []
+    inner: set[Any] = set()
+    for slot, node in enumerate(nodes):
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor) or not value.dim():
+            continue
+        for size in value.shape[1:]:
+            expr = _compat.sym_expr(size)
+            inner |= expr.free_symbols if expr is not None else set()
+        expr = _compat.sym_expr(value.shape[0])
+        if (inputs.kinds[slot] in (SlotKind.USER, SlotKind.MUTATED) and expr is not None
+                and expr.is_Symbol and expr not in symbols):
+            symbols.append(expr)
+            locate.append((slot, 0))
+    kept = [i for i, s in enumerate(symbols) if s not in inner]
+    return [symbols[i] for i in kept], [locate[i] for i in kept]
+
+
 def plan_padding(
     gm: torch.fx.GraphModule,
     inputs: InputSpec,
@@ -434,20 +459,7 @@ def plan_padding(
                 + ("" if input_names is not None else
                    " (compile_fx cannot see argument names: use torch.compile)"))
 
-    symbols: list[Any] = []
-    locate: list[tuple[int, int | None]] = []
-    for slot, node in enumerate(nodes):
-        if inputs.kinds[slot] not in (SlotKind.USER, SlotKind.MUTATED):
-            continue
-        value = node.meta.get("val")
-        if not isinstance(value, torch.Tensor):
-            continue
-        # the batch: the leading dim; other symbolic dims (dynamic=True makes every dim one)
-        # keep one capture per size
-        expr = _compat.sym_expr(value.shape[0]) if value.dim() else None
-        if expr is not None and expr.is_Symbol and expr not in symbols:
-            symbols.append(expr)
-            locate.append((slot, 0))
+    symbols, locate = _batch_symbols(nodes, inputs)
     if not symbols:
         return None
     graph = _Graph(set(symbols), names, labels, {
