@@ -306,3 +306,20 @@ def test_refuses_a_matmul_contracting_the_batch() -> None:
         _compiled(gram, capture_sizes=SIZES)(torch.randn(3, 4), torch.randn(3, 4))
     message = str(_refusal(excinfo))
     assert "aten.mm" in message and "contracts dim" in message and "x.t() @ y" in message
+
+
+def test_cache_compile_pads_cold_and_warm(tmp_path: object, counter: Callable[[str], int]) -> None:
+    """cache_compile's aot_compile drops Dynamo's input sources: pad_values still finds
+    'slots', and the padding plan is saved with the graph and used by a warm start."""
+    inference = pytest.importorskip("npugraph_ex.inference")
+    options = {"capture_sizes": [4, 8, 16], "pad_values": {"slots": SCRATCH}}
+    for start in ("cold", "warm"):
+        _compat.dynamo_reset()
+        model = Decoder()
+        eager = copy.deepcopy(model)
+        compiled = inference.cache_compile(model.forward, cache_dir=str(tmp_path),
+                                           options=options)
+        before = counter("capture_due_to_new_key")
+        _decode(compiled, eager, model, [3, 5, 6, 7, 9])
+        assert counter("capture_due_to_new_key") - before == 3, start  # 4, 8 and 16
+        assert model.kc[:, SCRATCH].abs().sum() > 0, start

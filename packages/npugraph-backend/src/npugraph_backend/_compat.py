@@ -437,12 +437,30 @@ def dynamic_shapes_off() -> bool:
     return bool(dynamo_config.assume_static_by_default) and not dynamo_config.automatic_dynamic_shapes
 
 
+def _name_from_placeholder(node: torch.fx.Node) -> str | None:
+    """The argument a Dynamo placeholder without its grapharg (the aot_compile behind
+    cache_compile drops it) is named after: Dynamo names the placeholder of argument ``x``
+    ``l_x_``; ``l_self_...`` are the module's attributes. (Names are sanitised, so an argument
+    reached through a container is not told apart from one with underscores: such a name
+    matches no argument the user gives.)"""
+    name = node.name
+    if not (name.startswith("l_") and name.endswith("_")) or name.startswith("l_self_"):
+        return None
+    inner = name[2:-1]
+    return inner if inner.isidentifier() else None
+
+
 def dynamo_input_names(gm: torch.fx.GraphModule) -> tuple[str | None, ...]:
     """Per Dynamo placeholder, the forward argument it is (``LocalSource``'s local name), or None
-    (an attribute, a parameter, a shape); from ``node.meta["grapharg"].source``."""
+    (an attribute, a parameter, a shape); from ``node.meta["grapharg"].source``, else from the
+    placeholder's name."""
     names: list[str | None] = []
     for node in placeholders(gm):
-        source = getattr(node.meta.get("grapharg"), "source", None)
+        grapharg = node.meta.get("grapharg")
+        if grapharg is None:
+            names.append(_name_from_placeholder(node))
+            continue
+        source = getattr(grapharg, "source", None)
         names.append(getattr(source, "local_name", None) if type(source).__name__ == "LocalSource"
                      else None)
     return tuple(names)
@@ -456,14 +474,14 @@ def dynamo_input_labels(gm: torch.fx.GraphModule) -> tuple[str | None, ...]:
         source = getattr(node.meta.get("grapharg"), "source", None)
         name = getattr(source, "name", None)
         name = name() if callable(name) else name
-        labels.append(name if isinstance(name, str) else None)
+        labels.append(name if isinstance(name, str) else node.name)
     return tuple(labels)
 
 
 def dynamo_argument_names(gm: torch.fx.GraphModule) -> tuple[str, ...]:
     """The forward's argument names that reach this graph (the base ``LocalSource`` of every
     placeholder's source), sorted."""
-    found: set[str] = set()
+    found: set[str] = {n for n in dynamo_input_names(gm) if n is not None}
     for node in placeholders(gm):
         source = getattr(node.meta.get("grapharg"), "source", None)
         while source is not None and type(source).__name__ != "LocalSource":
