@@ -42,7 +42,7 @@ def test_every_api_option_has_its_documented_default() -> None:
         "capture_error_mode": "global", "dump_tensor_data": False,
         "data_dump_stage": "optimized", "data_dump_dir": "./", "deadlock_check": False,
         "static_kernel_compile": False, "disable_static_kernel_compile_cache": False,
-        "mode": "npugraph_ex",
+        "capture_sizes": None, "pad_values": None, "mode": "npugraph_ex",
     }
 
 
@@ -143,6 +143,12 @@ def _valid_values(name: str) -> st.SearchStrategy[object]:
         return st.sampled_from([None, user_pass])
     if name == "use_graph_pool":
         return st.sampled_from([None, (0, 1)])
+    if name == "capture_sizes":
+        return st.one_of(st.none(), st.just("auto"), st.sets(st.integers(1, 512), min_size=1)
+                         .map(sorted))
+    if name == "pad_values":
+        return st.one_of(st.none(), st.dictionaries(
+            st.sampled_from(["slots", "tokens"]), st.integers(0, 63) | st.booleans()))
     assert name == "data_dump_dir"
     return st.sampled_from(["./", os.getcwd()])
 
@@ -162,6 +168,10 @@ def _invalid_values(name: str) -> st.SearchStrategy[object]:
         return junk.filter(lambda v: v is not None)
     if name == "use_graph_pool":
         return junk.filter(lambda v: v is not None)
+    if name == "capture_sizes":
+        return st.sampled_from([[4, 2], [0], [], [True], "all", 8, [2.0]])
+    if name == "pad_values":
+        return st.sampled_from([[("slots", 1)], {"slots": "1"}, {1: 2}, 3, "slots"])
     assert name == "data_dump_dir"
     return st.sampled_from(["/no/such/dir", 3, None])
 
@@ -176,7 +186,15 @@ valid_options = st.lists(st.sampled_from(option_names()), unique=True).flatmap(
 def test_no_valid_options_dict_is_refused(options: dict[str, object]) -> None:
     config = CompilerConfig.from_options(options)
     for name, value in options.items():
-        assert getattr(config, name) == (str(value) if name == "data_dump_dir" else value)
+        assert getattr(config, name) == _as_stored(name, value)
+
+
+def _as_stored(name: str, value: object) -> object:
+    if name == "data_dump_dir":
+        return str(value)
+    if name == "capture_sizes" and isinstance(value, list):
+        return tuple(value)  # kept immutable: a config is copied shallowly
+    return value
 
 
 @settings(max_examples=200, deadline=None)

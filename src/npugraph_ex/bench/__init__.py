@@ -4,7 +4,8 @@ Sections (select with ``--only a,c``): (a) replay-path host overhead, (b) runtim
 FX GraphModule vs eager, (c) decode-step latency per compiler, (d) compile and warm-start time
 with and without cache_compile, (e) pool sharing, (f) the passes' effect, (g) overhead with
 logging disabled and no profiler, (h) each replay kernel against the eager op, (i) a 2-rank
-tensor-parallel decode step on the CPU, (m) graphs updating an input that is new on every call
+tensor-parallel decode step on the CPU, (k) a continuous-batching decode loop (capture sizes
+with padding), (m) graphs updating an input that is new on every call
 in place, (s) two matmul branches on two streams vs one. Writes ``bench.json`` and ``bench.png`` into ``--out``."""
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "g": ("npugraph_ex.bench.overhead", "run_quiet"),
     "h": ("npugraph_ex.bench.kernels", "run"),
     "i": ("npugraph_ex.bench.tp_decode", "run"),
+    "k": ("npugraph_ex.bench.batching", "run"),
     "m": ("npugraph_ex.bench.inplace", "run"),
     "s": ("npugraph_ex.bench.streams", "run"),
 }
@@ -46,6 +48,7 @@ TITLES = {
     "g": "overhead with logging disabled and no profiler",
     "h": "replay kernels vs eager ops",
     "i": "2-rank tensor-parallel decode step (CPU, gloo)",
+    "k": "continuous batching: capture sizes with padding",
     "m": "inputs updated in place, new on every call",
     "s": "two matmul branches: two streams vs one",
 }

@@ -443,3 +443,76 @@ def fake_mode_of(values: Sequence[object]) -> Any:
     from torch._guards import detect_fake_mode
 
     return detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+
+
+# --- symbolic sizes for padding (padding_analysis.py) ------------------------------------------
+# SymInt.node.expr (the sympy expression of a symbolic size) and torch._dynamo.config's
+# assume_static_by_default / automatic_dynamic_shapes (what torch.compile's dynamic= set):
+# checked on 2.13.0 and 2.11.0.
+def sym_expr(s: object) -> Any:
+    """The sympy expression of a symbolic int (None for a plain int or anything else)."""
+    if isinstance(s, torch.SymInt) and symint_is_symbolic(s):
+        return s.node.expr
+    return None
+
+
+def dynamic_shapes_off() -> bool:
+    """torch.compile(..., dynamic=False) is compiling: no graph of it will have symbolic sizes."""
+    import torch._dynamo.config as dynamo_config
+
+    return bool(dynamo_config.assume_static_by_default) and not dynamo_config.automatic_dynamic_shapes
+
+
+def _name_from_placeholder(node: torch.fx.Node) -> str | None:
+    """The argument a Dynamo placeholder without its grapharg (the aot_compile behind
+    cache_compile drops it) is named after: Dynamo names the placeholder of argument ``x``
+    ``l_x_``; ``l_self_...`` are the module's attributes. (Names are sanitised, so an argument
+    reached through a container is not told apart from one with underscores: such a name
+    matches no argument the user gives.)"""
+    name = node.name
+    if not (name.startswith("l_") and name.endswith("_")) or name.startswith("l_self_"):
+        return None
+    inner = name[2:-1]
+    return inner if inner.isidentifier() else None
+
+
+def dynamo_input_names(gm: torch.fx.GraphModule) -> tuple[str | None, ...]:
+    """Per Dynamo placeholder, the forward argument it is (``LocalSource``'s local name), or None
+    (an attribute, a parameter, a shape); from ``node.meta["grapharg"].source``, else from the
+    placeholder's name."""
+    names: list[str | None] = []
+    for node in placeholders(gm):
+        grapharg = node.meta.get("grapharg")
+        if grapharg is None:
+            names.append(_name_from_placeholder(node))
+            continue
+        source = getattr(grapharg, "source", None)
+        names.append(getattr(source, "local_name", None) if type(source).__name__ == "LocalSource"
+                     else None)
+    return tuple(names)
+
+
+def dynamo_input_labels(gm: torch.fx.GraphModule) -> tuple[str | None, ...]:
+    """Per Dynamo placeholder, how the user's code names it (``Source.name``: ``L['self'].kc``),
+    for messages. ``name`` is a cached property on 2.13, a method before."""
+    labels: list[str | None] = []
+    for node in placeholders(gm):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        name = getattr(source, "name", None)
+        name = name() if callable(name) else name
+        labels.append(name if isinstance(name, str) else node.name)
+    return tuple(labels)
+
+
+def dynamo_argument_names(gm: torch.fx.GraphModule) -> tuple[str, ...]:
+    """The forward's argument names that reach this graph (the base ``LocalSource`` of every
+    placeholder's source), sorted."""
+    found: set[str] = {n for n in dynamo_input_names(gm) if n is not None}
+    for node in placeholders(gm):
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        while source is not None and type(source).__name__ != "LocalSource":
+            source = getattr(source, "base", None)
+        name = getattr(source, "local_name", None)
+        if isinstance(name, str) and name != "self":
+            found.add(name)
+    return tuple(sorted(found))

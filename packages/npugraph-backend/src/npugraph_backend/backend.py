@@ -26,6 +26,7 @@ from npugraph_backend.compiler import (
 )
 from npugraph_backend.config import CompilerConfig, OptionError
 from npugraph_backend.logs import log
+from npugraph_backend.padding_analysis import argument_names
 from npugraph_backend.torch_streams import (
     EXTERNAL_WAITS,
     rewrite_torch_streams,
@@ -92,7 +93,7 @@ def npugraph_ex_backend(
     from npugraph_backend.serialization import serializable_compilers
 
     fw_compiler, inference_compiler, cache_tag = serializable_compilers(
-        config, training, ForwardCompiler(config, begin_debug(gm))
+        config, training, ForwardCompiler(config, begin_debug(gm), argument_names(gm, config))
     )
     with cache_tag:
         compiled = _compat.aot_module_simplified(

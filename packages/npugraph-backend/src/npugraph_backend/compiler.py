@@ -27,6 +27,8 @@ from npugraph_backend import _compat, process_groups
 from npugraph_backend.config import NPU_ONLY_OPTIONS, CompilerConfig, rebuild_config
 from npugraph_backend.dfx import ranges
 from npugraph_backend.logs import log
+from npugraph_backend.padding import PaddedCall
+from npugraph_backend.padding_analysis import ArgumentNames, PaddingPlan, plan_for
 
 
 class EagerFallbackWarning(UserWarning):
@@ -122,9 +124,11 @@ class CompiledGraph:
         eager_reason: str | None = None,
         debug: Any = None,
         value_ints: tuple[int, ...] = (),
+        padding: PaddingPlan | None = None,
     ) -> None:
         self.gm = gm
         self.value_ints = value_ints  # int inputs the graph takes as 0-d tensors (scalar_inputs)
+        self.padding = padding
         self.inputs = inputs
         self.outputs = outputs
         self.config = config
@@ -175,12 +179,14 @@ class CompiledGraph:
                 functional=True,
             )
             fn = self.runner
+            if self.padding is not None:
+                fn = PaddedCall(fn, self.padding)
             if debug is not None:
                 from npugraph_backend.dfx import debug as debug_dumps
 
                 summary = debug_dumps.spec_summary(self.gm, self.inputs, policy, self.outputs)
                 debug.output_code(self.gm, summary)
-                fn = debug.watch(self.runner, summary)
+                fn = debug.watch(fn, summary)  # the padded call too: it reads the runner's events
         if self.config.dump_tensor_data:
             from npugraph_backend.dfx import data_dump
 
@@ -208,6 +214,7 @@ class CompiledGraph:
             "device": str(self.device),
             "eager_reason": self.eager_reason,
             "value_ints": self.value_ints,
+            "padding": self.padding,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -219,6 +226,7 @@ class CompiledGraph:
         self.device = torch.device(state["device"])
         self.eager_reason = state["eager_reason"]
         self.value_ints = tuple(state.get("value_ints", ()))
+        self.padding = state.get("padding")
         # TORCH_COMPILE_DEBUG=1 on a warm start: this graph's dumps (read here first: a warm
         # start imports no dfx module otherwise)
         debug = begin_debug(None) if os.environ.get("TORCH_COMPILE_DEBUG") == "1" else None
@@ -237,9 +245,11 @@ def compile_graph(
     example_inputs: Sequence[object],
     config: CompilerConfig,
     debug: Any = None,
+    names: ArgumentNames | None = None,
 ) -> CompiledGraph:
     """Passes, specs, then the runtime's GraphedCallable. ``config`` is not modified.
-    ``debug``: the TORCH_COMPILE_DEBUG session of this graph (None: begin one if enabled)."""
+    ``debug``: the TORCH_COMPILE_DEBUG session of this graph (None: begin one if enabled).
+    ``names``: the forward's argument names of the Dynamo graph's inputs (for pad_values)."""
     from npugraph_passes.stream_scopes import lower_stream_scopes
 
     from npugraph_backend.dfx import data_dump, deadlock
@@ -260,6 +270,9 @@ def compile_graph(
     if _dump_original(config):
         return CompiledGraph(gm, specs.inputs, specs.outputs, config, name, device,
                              "data_dump_stage='original' runs the original graph eagerly", debug)
+    # on the graph as AOT made it: functional ops, the user's source lines
+    padding = plan_for(gm, specs, config, names)
+    # after the plan: an int lifted to a 0-d tensor sizes no tensor, so padding never touches it
     value_ints = lift_value_ints(gm, device, name)
     inputs = as_value_inputs(specs.inputs, value_ints) if value_ints else specs.inputs
     # streams and core limits of the graph first: the passes must see its events
@@ -285,28 +298,32 @@ def compile_graph(
         _compat.counters()[fallback_counter(UNSAFE_OP, name)] += 1
         log.info("%s falls back to eager: %s", name, eager_reason)
     return CompiledGraph(gm, inputs, specs.outputs, config, name, device, eager_reason, debug,
-                         value_ints)
+                         value_ints, padding)
 
 
 class ForwardCompiler:
     """AOT's inference compiler for one Dynamo graph. Picklable: its state is the options (the
     debug session of the graph being compiled is not part of it)."""
 
-    def __init__(self, config: CompilerConfig, debug: Any = None) -> None:
+    def __init__(
+        self, config: CompilerConfig, debug: Any = None, names: ArgumentNames | None = None
+    ) -> None:
         self.config = config
         self.debug = debug
+        self.names = names
 
     def __call__(
         self, gm: torch.fx.GraphModule, example_inputs: Sequence[object]
     ) -> CompiledGraph:
-        return compile_graph(gm, example_inputs, self.config, self.debug)
+        return compile_graph(gm, example_inputs, self.config, self.debug, self.names)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"config": self.config.as_dict()}
+        return {"config": self.config.as_dict(), "names": self.names}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.config = rebuild_config(state["config"])
         self.debug = None
+        self.names = state.get("names")
 
 
 class EagerCompiler:

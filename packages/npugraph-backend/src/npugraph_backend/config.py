@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import difflib
 import hashlib
+import itertools
 import json
+import math
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -75,6 +77,42 @@ def _is_existing_dir(v: object) -> bool:
 
 _MAX_CAPTURE_LIMIT = 2**63 - 1  # the runtime keeps counts in int64
 
+#: capture_sizes="auto": powers of two with the midpoints above 8 (a padded call computes at
+#: most 1.5x its rows), up to 256; 14 sizes, so even two captures per size stay under the
+#: default capture_limit.
+AUTO_CAPTURE_SIZES: tuple[int, ...] = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+
+
+def _is_capture_sizes(v: object) -> bool:
+    if v is None or v == "auto":
+        return True
+    if not isinstance(v, list | tuple) or not v:
+        return False
+    if not all(type(x) is int and x >= 1 for x in v):
+        return False
+    return all(a < b for a, b in itertools.pairwise(v))
+
+
+def resolved_capture_sizes(config: CompilerConfig) -> tuple[int, ...] | None:
+    """capture_sizes as sizes ("auto": AUTO_CAPTURE_SIZES)."""
+    sizes = config.capture_sizes
+    return AUTO_CAPTURE_SIZES if sizes == "auto" else sizes  # type: ignore[return-value]
+
+
+def _capture_sizes(v: object) -> object:
+    if v is None:
+        return None
+    return v if v == "auto" else tuple(v)  # type: ignore[arg-type]
+
+
+def _is_pad_values(v: object) -> bool:
+    if v is None:
+        return True
+    return isinstance(v, Mapping) and all(
+        isinstance(k, str) and k.isidentifier() and isinstance(x, int | float) and math.isfinite(x)
+        for k, x in v.items()
+    )
+
 _OPTIONS: tuple[_Option, ...] = (
     _bool("force_eager", False, "apply all passes, never capture: run the optimized graph eagerly"),
     _bool("force_recapture", False, "recapture on every call"),
@@ -122,6 +160,20 @@ _OPTIONS: tuple[_Option, ...] = (
     _bool("static_kernel_compile", False, "NPU static kernels; elsewhere a no-op with one warning"),
     _bool("disable_static_kernel_compile_cache", False,
           "NPU static kernel cache; elsewhere a no-op with one warning"),
+    _Option(
+        "capture_sizes", None,
+        "None, 'auto', or a non-empty list of ints >= 1 in strictly increasing order "
+        "(not bools), e.g. [1, 2, 4, 8, 16]",
+        _is_capture_sizes, normalise=_capture_sizes,
+        doc="graphs with dynamic shapes: a call is padded up to the next listed size",
+    ),
+    _Option(
+        "pad_values", None,
+        "None or a dict {forward argument name (str): finite int, float or bool}, "
+        "e.g. {'slots': 63}",
+        _is_pad_values, normalise=lambda v: None if v is None else dict(v),  # type: ignore[call-overload]
+        doc="the value padded rows of that input take (a scratch KV slot, a pad token)",
+    ),
     _enum("mode", "npugraph_ex", ("npugraph_ex",), "the only value"),
 )
 
@@ -181,6 +233,8 @@ class CompilerConfig:
     deadlock_check: bool
     static_kernel_compile: bool
     disable_static_kernel_compile_cache: bool
+    capture_sizes: tuple[int, ...] | str | None
+    pad_values: dict[str, int | float | bool] | None
     mode: str
 
     def __init__(self, **options: object) -> None:

@@ -1,0 +1,136 @@
+"""The padded call: a call of a size not in ``capture_sizes`` runs at the next listed size.
+
+Wraps the graph's runner (the runtime's GraphedCallable) from the backend, so the runtime keeps
+keying captures by the sizes it sees: only listed sizes (and sizes above the largest) reach it.
+Per call: read each padded size, pick the next capture size, copy every padded input into a
+buffer of that size kept for it (pad rows: the input's pad value, or a copy of its last real
+row, which keeps an index in range and a float finite), replay, write the real rows of padded mutated inputs
+back, and return the outputs narrowed to the real rows (views of the capture's outputs, as an
+unpadded call returns the outputs themselves). padding_analysis.py decides that this is safe."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from npugraph_backend.padding_analysis import PaddedInput, PaddingPlan
+
+
+class _Padded:
+    """One padded input at one (real size, capture size): the buffer of the capture size and
+    its views, made once, so a call costs a copy of the real rows and a fill of the pad rows."""
+
+    __slots__ = ("buffer", "last", "parts", "real", "region")
+
+    def __init__(self, buffer: torch.Tensor, last: list[object], spec: PaddedInput,
+                 real: tuple[int, ...], target: Sequence[int]) -> None:
+        self.buffer = buffer
+        self.last = last  # [the real sizes of the buffer's last fill], shared by its views
+        self.real = real
+        region = buffer
+        for dim, sym in spec.dims:
+            region = region.narrow(dim, 0, real[sym])
+        self.region = region
+        # per padded dim: (pad rows, the last real row broadcast over them); rows of a later dim
+        # span the earlier dims' pad rows too, so every pad element is written
+        self.parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for dim, sym in spec.dims:
+            extra = target[sym] - real[sym]
+            if extra:
+                rows = buffer.narrow(dim, real[sym], extra)
+                edge = buffer.narrow(dim, real[sym] - 1, 1).expand_as(rows)
+                self.parts.append((rows, edge))
+
+    def fill(self, x: torch.Tensor, spec: PaddedInput) -> torch.Tensor:
+        self.region.copy_(x)
+        if spec.pad is None:
+            for rows, edge in self.parts:
+                rows.copy_(edge)
+        elif spec.mutated or self.last[0] != self.real:
+            # a constant pad stays in place until a call of another real size or the graph
+            # writes there
+            for rows, _ in self.parts:
+                rows.fill_(spec.pad)
+            self.last[0] = self.real
+        return self.buffer
+
+
+def _real(x: torch.Tensor, dims: Sequence[tuple[int, int, int]], real: Sequence[int]
+          ) -> torch.Tensor:
+    for dim, sym, factor in dims:
+        x = x.narrow(dim, 0, real[sym] * factor)
+    return x
+
+
+class PaddedCall:
+    """``fn(*args)`` with every padded size rounded up to the next capture size."""
+
+    def __init__(self, fn: Callable[..., Any], plan: PaddingPlan) -> None:
+        self.fn = fn
+        self.plan = plan
+        self._sizes = list(plan.sizes)
+        self._largest = plan.sizes[-1]
+        self._local = threading.local()
+
+    def _target(self, size: int) -> int:
+        if size >= self._largest:
+            return size  # above the largest: its own capture, as without padding
+        return self._sizes[bisect.bisect_left(self._sizes, size)]
+
+    def __call__(self, *args: Any) -> Any:
+        plan = self.plan
+        real = [args[slot] if dim is None else args[slot].shape[dim] for slot, dim in plan.locate]
+        target = [self._target(int(v)) for v in real]
+        if target == real:
+            return self.fn(*args)
+        padded = list(args)
+        for slot, sym in plan.int_slots:
+            padded[slot] = target[sym]
+        views = self._views(tuple(real), tuple(target), args)
+        for spec, view in zip(plan.inputs, views, strict=True):
+            padded[spec.slot] = view.fill(args[spec.slot], spec)
+        outs = self.fn(*padded)
+        for spec, view in zip(plan.inputs, views, strict=True):
+            if spec.mutated:
+                args[spec.slot].copy_(view.region)
+        sliced = [
+            _real(out, dims, real) if dims and isinstance(out, torch.Tensor) else out
+            for out, dims in zip(outs, plan.outputs, strict=True)
+        ]
+        return type(outs)(sliced) if isinstance(outs, tuple) else sliced
+
+    def _views(self, real: tuple[int, ...], target: tuple[int, ...], args: Sequence[Any]
+               ) -> list[_Padded]:
+        """The padded inputs of this thread for these sizes. One buffer per input and capture
+        size, kept: the capture reads it where it is (no copy into the capture's own buffer),
+        and calls from other threads have their own."""
+        local = self._local
+        cache: dict[tuple[tuple[int, ...], tuple[int, ...]], list[_Padded]] | None = getattr(
+            local, "views", None)
+        if cache is None:
+            cache = local.views = {}
+            local.buffers = {}
+        views = cache.get((real, target))
+        if views is None:
+            buffers: dict[tuple[int, tuple[int, ...]], tuple[torch.Tensor, list[object]]] = (
+                local.buffers)
+            views = []
+            for spec in self.plan.inputs:
+                x = args[spec.slot]
+                kept = buffers.get((spec.slot, target))
+                if kept is None:
+                    shape = list(x.shape)
+                    for dim, sym in spec.dims:
+                        shape[dim] = target[sym]
+                    kept = buffers[(spec.slot, target)] = (x.new_empty(shape), [None])
+                views.append(_Padded(kept[0], kept[1], spec, real, target))
+            cache[(real, target)] = views
+        return views
+
+    def __getattr__(self, name: str) -> Any:
+        # the runner's own attributes (stats, captures) stay reachable through the wrapper
+        return getattr(self.fn, name)

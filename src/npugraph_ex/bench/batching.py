@@ -1,0 +1,357 @@
+"""(k) Continuous batching: a decode loop whose batch changes every step, as a server's does.
+
+Requests arrive and finish; each holds a KV slot of one stacked cache per layer and its own
+position, written with ``kc[layer].index_put_((slots, pos), k)`` and read through its slot under
+a position mask. 300 steps with 1..48 live requests, the same schedule for every compiler,
+compiled with dynamic=True; ours with ``capture_sizes`` and the scratch slot as ``pad_values``.
+The schedule runs in rounds, compilers interleaved (a machine whose load changes slows all
+alike); round 1 (after one compiling call per graph) is the total with every capture, the later
+rounds give the steady step. Then a fixed batch of 16 requests, timed interleaved, and that batch
+with the position as a Python int (one per step) instead of a tensor: what this branch makes of
+it (before scalars become graph inputs, each new int is a new capture).
+
+Figures: captures, eager fallbacks, the max error of the real rows against eager, the median
+steady step and the total time, side by side; targets on ours as the issue sets them."""
+
+from __future__ import annotations
+
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from npugraph_ex.bench._compat import dynamo_counters
+from npugraph_ex.bench.backends import (
+    OURS,
+    BenchTimeout,
+    compile_with,
+    counter_snapshot,
+    own_code,
+    time_limit,
+)
+from npugraph_ex.bench.context import BenchContext, fmt_exc
+from npugraph_ex.bench.report import Figure, Section
+from npugraph_ex.bench.timing import clock, measure_interleaved
+
+HIDDEN, LAYERS, VOCAB, SLOTS, POSITIONS = 128, 2, 256, 64, 256
+SCRATCH = SLOTS - 1
+CAPTURE_SIZES = [1, 2, 4, 8, 16, 24, 32, 48, 64]
+STEPS, MAX_LIVE, FIXED = 300, 48, 16
+COMPILERS = ("eager", "aot_eager", "inductor", OURS)
+
+
+class Decoder(nn.Module):
+    kc: torch.Tensor
+    vc: torch.Tensor
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, HIDDEN)
+        self.qkv = nn.ModuleList(nn.Linear(HIDDEN, 3 * HIDDEN) for _ in range(LAYERS))
+        self.mlp = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(LAYERS))
+        self.out = nn.Linear(HIDDEN, VOCAB)
+        self.register_buffer("kc", torch.zeros(LAYERS, SLOTS, POSITIONS, HIDDEN))
+        self.register_buffer("vc", torch.zeros(LAYERS, SLOTS, POSITIONS, HIDDEN))
+
+    def forward(self, tokens: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        mask = torch.arange(POSITIONS, device=tokens.device)[None, :] <= pos[:, None]
+        return self._layers(tokens, slots, pos, mask)
+
+    def step_int(self, tokens: torch.Tensor, slots: torch.Tensor, pos: int) -> torch.Tensor:
+        """Every request at the same position, given as a Python int."""
+        mask = torch.arange(POSITIONS, device=tokens.device)[None, :] <= pos
+        return self._layers(tokens, slots, pos, mask)
+
+    def _layers(self, tokens: torch.Tensor, slots: torch.Tensor, pos: Any,
+                mask: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        for layer in range(LAYERS):
+            q, k, v = self.qkv[layer](x).chunk(3, -1)
+            if isinstance(pos, int):
+                self.kc[layer][slots, pos] = k
+                self.vc[layer][slots, pos] = v
+            else:
+                self.kc[layer].index_put_((slots, pos), k)
+                self.vc[layer].index_put_((slots, pos), v)
+            keys, values = self.kc[layer][slots], self.vc[layer][slots]
+            scores = (q[:, None, :] * keys).sum(-1) * HIDDEN ** -0.5
+            weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+            x = x + (weights[:, :, None] * values).sum(1)
+            x = x + torch.relu(self.mlp[layer](x))
+        logits: torch.Tensor = self.out(x)
+        return logits
+
+
+@dataclass
+class Step:
+    tokens: torch.Tensor
+    slots: torch.Tensor
+    pos: torch.Tensor
+
+
+def schedule(steps: int = STEPS, seed: int = 0) -> list[Step]:
+    """Live requests follow 1 -> 48 -> 1 twice; each request has its own slot, starts at a
+    random prompt length and finishes after a random number of steps (or when the wave ebbs)."""
+    rng = random.Random(seed)
+    free = list(range(SCRATCH))
+    live: list[list[int]] = []  # [slot, position, steps left]
+    out: list[Step] = []
+    for step in range(steps):
+        target = 1 + round((MAX_LIVE - 1) * (0.5 - 0.5 * math.cos(4 * math.pi * step / steps)))
+        while len(live) > target:  # the wave ebbs: the oldest requests finish early
+            free.append(live.pop(0)[0])
+        while len(live) < target:
+            rng.shuffle(free)
+            live.append([free.pop(), rng.randrange(0, 64), rng.randrange(8, 120)])
+        out.append(Step(torch.tensor([rng.randrange(VOCAB) for _ in live]),
+                        torch.tensor([r[0] for r in live]), torch.tensor([r[1] for r in live])))
+        for r in live:
+            r[1] += 1
+            r[2] -= 1
+        free += [r[0] for r in live if r[2] <= 0 or r[1] >= POSITIONS]
+        live = [r for r in live if r[2] > 0 and r[1] < POSITIONS]
+    return out
+
+
+def _next_size(n: int) -> int:
+    return next((s for s in CAPTURE_SIZES if s >= n), n)
+
+
+def _fallbacks(since: dict[str, int]) -> int:
+    counts = dynamo_counters().get("npugraph_ex", {})
+    return sum(int(v) - since.get(k, 0) for k, v in counts.items()
+               if k.startswith(("eager_fallback_due_to_", "eager_call_due_to_")))
+
+
+def _captures(since: dict[str, int]) -> int:
+    counts = dynamo_counters().get("npugraph_ex", {})
+    return sum(int(v) - since.get(k, 0) for k, v in counts.items() if k.startswith("captured_"))
+
+
+def _compile(name: str, model: Decoder, fn: Callable[..., Any], budget: float,
+             options: dict[str, Any] | None, warm: list[tuple[Any, ...]]) -> Callable[..., Any]:
+    """`fn` compiled by `name` with dynamic shapes; one call per argument tuple in `warm`
+    (each graph compiled), then the caches zeroed."""
+    compiled = compile_with(own_code(fn, name), name, options=options, dynamic=True)
+    with time_limit(budget if name == "inductor" else 0.0), torch.no_grad():
+        for args in warm:
+            compiled(model, *args)
+    model.kc.zero_()
+    model.vc.zero_()
+    return compiled
+
+
+def _loop(compiled: Callable[..., Any], model: Decoder, steps: list[Step],
+          expected: list[torch.Tensor]) -> tuple[list[float], float]:
+    """Seconds per step (caches zeroed first), and the max error against `expected`; with
+    `expected` empty, the outputs are appended to it instead (the reference run)."""
+    times: list[float] = []
+    err = 0.0
+    record = not expected
+    model.kc.zero_()
+    model.vc.zero_()
+    with torch.no_grad():
+        for i, s in enumerate(steps):
+            start = clock()
+            out = compiled(model, s.tokens, s.slots, s.pos)
+            times.append(clock() - start)
+            if record:
+                expected.append(out.clone())
+            else:
+                err = max(err, float((out - expected[i]).abs().max()))
+    return times, err
+
+
+def _forward(model: Decoder, tokens: torch.Tensor, slots: torch.Tensor, pos: Any) -> torch.Tensor:
+    logits: torch.Tensor = model(tokens, slots, pos)
+    return logits
+
+
+def _forward_int(model: Decoder, tokens: torch.Tensor, slots: torch.Tensor, pos: int
+                 ) -> torch.Tensor:
+    return model.step_int(tokens, slots, pos)
+
+
+def run(ctx: BenchContext) -> Section:
+    sec = Section("k", "continuous batching: capture sizes with padding", bar_unit="ms")
+    torch.manual_seed(0)
+    base = Decoder().to(ctx.device).eval()
+    steps = schedule(60 if ctx.quick else STEPS)
+    rounds = 2 if ctx.quick else 3
+    sizes_used = sorted({_next_size(len(s.slots)) for s in steps})
+    options = {"capture_sizes": CAPTURE_SIZES, "pad_values": {"slots": SCRATCH}}
+    warm = [(s.tokens, s.slots, s.pos) for s in (steps[0], next(s for s in steps
+                                                                  if len(s.slots) > 1))]
+    models: dict[str, Decoder] = {}
+    compiled: dict[str, Callable[..., Any]] = {}
+    facts: dict[str, dict[str, Any]] = {}
+    since = counter_snapshot()
+    # --quick: no inductor (its dynamic-shape compile alone takes a minute here)
+    for name in [c for c in COMPILERS if not (ctx.quick and c == "inductor")]:
+        model = Decoder().to(ctx.device).eval()
+        model.load_state_dict(base.state_dict())
+        try:
+            start = time.perf_counter()
+            compiled[name] = _compile(name, model, _forward, ctx.inductor_budget_s,
+                                      options if name == OURS else None, warm)
+            facts[name] = {"compile_s": time.perf_counter() - start}
+            models[name] = model
+        except Exception as exc:
+            why = (f"compile would take over {ctx.inductor_budget_s:.0f} s"
+                   if isinstance(exc, BenchTimeout) or "BenchTimeout" in repr(exc)
+                   else f"fails to compile: {fmt_exc(exc)}")
+            facts[name] = {"skipped": why}
+    expected: list[torch.Tensor] = []
+    per_round: dict[str, list[list[float]]] = {n: [] for n in compiled}
+    errors: dict[str, float] = dict.fromkeys(compiled, 0.0)
+    for _ in range(rounds):
+        for name in compiled:  # eager first: its first round's outputs are the reference
+            times, err = _loop(compiled[name], models[name], steps, expected)
+            per_round[name].append(times)
+            errors[name] = max(errors[name], err)
+    captures = _captures(since)  # the warm-up calls' captures included
+    fallbacks = _fallbacks(since)
+    for name in compiled:
+        steady = [t for times in per_round[name][1:] for t in times]
+        facts[name].update(
+            total_ms=sum(per_round[name][0]) * 1e3,
+            median_step_ms=statistics.median(steady) * 1e3,
+            max_error=errors[name],
+        )
+    sec.bars["300 steps, 1..48 live: median steady step"] = {
+        n: f["median_step_ms"] for n, f in facts.items() if "median_step_ms" in f}
+    label = f"{len(steps)} steps, 1..{MAX_LIVE} live"
+    ours = facts.get(OURS, {})
+    eager = facts.get("eager", {})
+    inductor = facts.get("inductor", {})
+    if "median_step_ms" not in ours:
+        sec.figures.append(Figure.skip(f"{label}: ours", ours.get("skipped", "not run")))
+    else:
+        sec.figures += [
+            Figure.check(f"{label}: ours max error of the real rows vs eager", ours["max_error"],
+                         "abs", "<= 1e-5", ours["max_error"] <= 1e-5),
+            Figure.check(f"{label}: ours eager fallbacks", float(fallbacks), "calls", "0",
+                         fallbacks == 0),
+            Figure.check(f"{label}: ours captures ({len(sizes_used)} capture sizes used)",
+                         float(captures), "captures", f"<= {2 * len(sizes_used)}",
+                         captures <= 2 * len(sizes_used)),
+            Figure.check(f"{label}: ours / eager, median steady step",
+                         ours["median_step_ms"] / eager["median_step_ms"], "x", "<= 0.9",
+                         ours["median_step_ms"] <= 0.9 * eager["median_step_ms"]),
+            Figure.check(f"{label}: ours / eager, total incl. captures",
+                         ours["total_ms"] / eager["total_ms"], "x", "<= 1.0",
+                         ours["total_ms"] <= eager["total_ms"]),
+        ]
+        if "median_step_ms" in inductor:
+            sec.figures.append(Figure.check(
+                f"{label}: ours / inductor, median steady step",
+                ours["median_step_ms"] / inductor["median_step_ms"], "x", "<= 1.0",
+                ours["median_step_ms"] <= inductor["median_step_ms"]))
+        else:
+            sec.figures.append(Figure.skip(f"{label}: ours / inductor",
+                                           inductor.get("skipped", "not run"), "<= 1.0"))
+    for name, f in facts.items():
+        if "median_step_ms" in f and name != OURS:
+            sec.figures.append(Figure(
+                f"{label}: {name} median step {f['median_step_ms']:.3f} ms, total "
+                f"{f['total_ms']:.0f} ms, max error {f['max_error']:.1e}",
+                f["median_step_ms"], "ms"))
+    if "median_step_ms" in ours:
+        sec.figures.append(Figure(
+            f"{label}: ours median step {ours['median_step_ms']:.3f} ms, total "
+            f"{ours['total_ms']:.0f} ms", ours["median_step_ms"], "ms"))
+    _unpadded(ctx, sec, base, steps, warm, expected, facts)
+    _fixed(ctx, sec, base, options, facts)
+    sec.data.update(hidden=HIDDEN, layers=LAYERS, slots=SLOTS, positions=POSITIONS,
+                    capture_sizes=CAPTURE_SIZES, sizes_used=sizes_used, steps=len(steps),
+                    rounds=rounds, live=[len(s.slots) for s in steps], captures=captures,
+                    fallbacks=fallbacks, results=facts)
+    return sec
+
+
+def _unpadded(ctx: BenchContext, sec: Section, base: Decoder, steps: list[Step],
+              warm: list[tuple[Any, ...]], expected: list[torch.Tensor],
+              facts: dict[str, dict[str, Any]]) -> None:
+    """Ours without capture_sizes, one round: what the option saves."""
+    model = Decoder().to(ctx.device).eval()
+    model.load_state_dict(base.state_dict())
+    since = counter_snapshot()
+    try:
+        fn = _compile(OURS, model, _forward, 0.0, None, warm)
+        times, err = _loop(fn, model, steps, expected)
+    except Exception as exc:
+        sec.figures.append(Figure.skip("ours without capture_sizes", fmt_exc(exc)))
+        return
+    caps, falls = _captures(since), _fallbacks(since)
+    facts["ours, capture_sizes=None"] = {"captures": caps, "fallbacks": falls, "max_error": err,
+                                         "total_ms": sum(times) * 1e3,
+                                         "median_step_ms": statistics.median(times) * 1e3}
+    sec.figures.append(Figure(
+        f"{len(steps)} steps without capture_sizes: ours {caps} captures, {falls} eager calls, "
+        f"total {sum(times) * 1e3:.0f} ms, max error {err:.1e}", float(caps), "captures",
+        note="for comparison: one capture per batch size"))
+
+
+def _fixed(ctx: BenchContext, sec: Section, base: Decoder, options: dict[str, Any],
+           facts: dict[str, dict[str, Any]]) -> None:
+    """16 requests on every step, timed interleaved; then the Python-int position variant."""
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (FIXED,), generator=gen)
+    slots = torch.randperm(SCRATCH, generator=gen)[:FIXED]
+    pos = torch.randint(0, POSITIONS, (FIXED,), generator=gen)
+    calls: dict[str, Callable[[], object]] = {}
+    for name in ("eager", OURS, "aot_eager"):
+        model = Decoder().to(ctx.device).eval()
+        model.load_state_dict(base.state_dict())
+        try:
+            fn = _compile(name, model, _forward, 0.0, options if name == OURS else None,
+                          [(tokens, slots, pos)])
+        except Exception as exc:
+            sec.figures.append(Figure.skip(f"fixed {FIXED}: {name}", fmt_exc(exc)))
+            continue
+
+        def call(fn: Callable[..., Any] = fn, model: Decoder = model) -> None:
+            with torch.no_grad():
+                fn(model, tokens, slots, pos)
+
+        calls[name] = call
+    if OURS in calls and "eager" in calls:
+        timings = measure_interleaved(calls, device=ctx.device, runs=ctx.runs)
+        ratio = timings[OURS].median / timings["eager"].median
+        sec.figures.append(Figure.check(f"fixed {FIXED} requests: ours / eager (median step)",
+                                        ratio, "x", "<= 0.9", ratio <= 0.9))
+        if "aot_eager" in timings:
+            sec.figures.append(Figure(f"fixed {FIXED} requests: ours / aot_eager",
+                                      timings[OURS].median / timings["aot_eager"].median, "x"))
+        sec.bars[f"fixed {FIXED} requests"] = {k: t.median * 1e3 for k, t in timings.items()}
+        facts[f"fixed{FIXED}"] = {k: t.median * 1e3 for k, t in timings.items()}
+    # the position as a Python int, one value per step
+    model = Decoder().to(ctx.device).eval()
+    model.load_state_dict(base.state_dict())
+    since = counter_snapshot()
+    fn = compile_with(own_code(_forward_int, "ours_int"), OURS, options=options, dynamic=True)
+    values, failed = 4 if ctx.quick else 12, ""  # few: where each value is a Dynamo recompile, that takes seconds
+    start = clock()
+    with torch.no_grad():
+        for p in range(values):
+            try:
+                fn(model, tokens, slots, p)
+            except Exception as exc:  # Dynamo's recompile limit under fullgraph=True
+                values, failed = p, f"; value {p} failed: {fmt_exc(exc)[:80]}"
+                break
+    total = clock() - start
+    caps, falls = _captures(since), _fallbacks(since)
+    graphs = len({k.rsplit("_graph_", 1)[-1] for k in dynamo_counters().get("npugraph_ex", {})
+                  if k.startswith("captured_") and k not in since})
+    facts["position_int"] = {"values": values, "captures": caps, "fallbacks": falls,
+                             "graphs": graphs, "total_ms": total * 1e3, "failed": failed}
+    sec.figures.append(Figure(
+        f"fixed {FIXED}, position as a Python int ({values} values): {graphs} graphs, {caps} "
+        f"captures, {falls} eager calls{failed}", float(caps), "captures",
+        note="target once ints are graph inputs: 1 graph, <= 2 captures"))
