@@ -21,7 +21,8 @@ from npugraph_runtime.errors import CaptureError, PolicyError
 from npugraph_runtime.graphs import Graph, graph
 from npugraph_runtime.inputs import WriteWatch, mirror, non_overlapping, storage_ptr
 from npugraph_runtime.keys import Args, Key
-from npugraph_runtime.outputs import Holds, OutputPlan, is_result
+from npugraph_runtime.ledger import OutputWatch, is_result
+from npugraph_runtime.outputs import OutputPlan
 from npugraph_runtime.spans import bytes_overlap
 from npugraph_runtime.spec import CapturePolicy, InputSpec, SlotKind
 
@@ -71,10 +72,27 @@ class Slots:
 class Capture:
     """One captured graph and what its replay closure needs kept alive."""
 
-    __slots__ = ("__weakref__", "addresses", "args", "buffers", "callers", "core_limit", "graph",
-                 "holds", "key", "lent", "mirrored", "new_tensor", "orphans", "outputs", "own_refs",
-                 "plan",
-                 "replay", "replayed", "watched_ptrs")
+    __slots__ = (
+        "__weakref__",
+        "addresses",
+        "args",
+        "buffers",
+        "callers",
+        "core_limit",
+        "graph",
+        "key",
+        "lent",
+        "mirrored",
+        "new_tensor",
+        "orphans",
+        "outputs",
+        "own_refs",
+        "plan",
+        "replay",
+        "replayed",
+        "watch",
+        "watched_ptrs",
+    )
 
     def __init__(
         self, key: Key, graph: DeviceGraph, args: list[object], buffers: list[torch.Tensor],
@@ -98,7 +116,7 @@ class Capture:
         # of those inputs, the ones nothing else referenced when orphaned_captures last looked:
         # another instance's re-bound buffer, not its parameters (copied_inputs)
         self.orphans: list[int] = []
-        # the undos of what this capture keeps of other captures' outputs (Holds.lend)
+        # the undos of what this capture keeps of other captures' outputs (ledger.owned_by_capture)
         self.lent: list[Callable[[], None]] = []
         # made for a mutated tensor at a new address: whether a later call replays it tells a
         # request's tensor from one that is new on every call (copied_inputs); only such a
@@ -107,12 +125,12 @@ class Capture:
         self.replayed = [False]  # a cell, so the replay closure noting it does not hold self
         self.core_limit = capture_core_limit()
         self.outputs: object = None
-        self.holds: Holds | None = None
+        self.watch: OutputWatch | None = None
         self.plan: OutputPlan | None = None
         self.replay: Callable[[Args], object] = _unset
 
     def keeps(self, lent: list[Callable[[], None]]) -> None:
-        """This capture keeps other captures' outputs (``lent``: the undos of Holds.lend); they
+        """This capture keeps other captures' outputs (``lent``: the undos of ledger.owned_by_capture); they
         are given back when it is released, or when it is collected without a release."""
         self.lent = lent
         if lent:
@@ -120,7 +138,7 @@ class Capture:
 
     def release(self) -> None:
         """Let go of the graph, first giving back what it kept of other captures' outputs: a
-        lender's count that is briefly above the caller's reads as held, the safe side."""
+        ledger's owned count that is briefly above the caller's reads as held, the safe side."""
         _give_back(self.lent)
         self.graph.reset()
 

@@ -52,7 +52,14 @@ from npugraph_runtime.errors import CaptureError, PolicyError
 from npugraph_runtime.graphs import as_pool_handle, graph_pool_handle
 from npugraph_runtime.inputs import mirror_filler, refiller, storage_ptr
 from npugraph_runtime.keys import NEEDS_GRAD, Args, Key, key_function, picker
-from npugraph_runtime.outputs import OutputPlan, lender, note_result, output_plan
+from npugraph_runtime.ledger import (
+    OutputLedger,
+    ledger_for,
+    owned_by_capture,
+    references,
+    watches_of,
+)
+from npugraph_runtime.outputs import OutputPlan, output_plan
 from npugraph_runtime.selection import choose
 from npugraph_runtime.spec import CapturePolicy, InputSpec, OutputSpec, SlotKind
 
@@ -145,6 +152,7 @@ class GraphedCallable:
         self._warned_held = False
         self._warned_grad = False
         self._pool: PoolHandle | None = None
+        self._ledger: OutputLedger | None = None  # of the pool's static outputs (ledger.py)
         self._n = len(spec.kinds)
         self._slots = Slots(spec, policy)
         self._key = key_function(spec)
@@ -248,7 +256,7 @@ class GraphedCallable:
         if held is None:
             cap.watched_ptrs = [cap.addresses[i] for i in watched]
             cap.plan = self._output_plan(cap)
-            cap.holds = cap.plan.holds
+            cap.watch = cap.plan.watch
             bound_objects: list[Any] | None = None  # tensors: held inputs are static
             bound_ptrs: list[int | None] = []
             bound_at: list[int] = []
@@ -277,10 +285,10 @@ class GraphedCallable:
         assert plan is not None
         # the result is read from the plan: a closure made after the capture's counts settled
         # (bind) must not add a reference to an output it hands out
-        build, holds = plan.build, plan.holds
-        # What tells whether the caller still holds the previous replay's outputs (outputs.py)
-        held_objects = holds.objects if holds is not None else []
-        held_storages = holds.cdatas if holds is not None else []
+        build, watch = plan.build, plan.watch
+        # What tells whether the caller still holds the previous replay's outputs (ledger.py)
+        held_objects = watch.objects if watch is not None else []
+        held_storages = watch.cdatas if watch is not None else []
         refcount, use_count = sys.getrefcount, _compat.storage_use_count()
         data_ptr = _data_ptr
         pick_constants = picker(slots.constant)
@@ -300,9 +308,9 @@ class GraphedCallable:
                 return _MISS
             # the caller still holds the previous replay's outputs: checked first, it is the
             # cheap test that makes a decode loop move to the other capture of the key
-            if holds is not None and (
+            if watch is not None and (
                 list(map(refcount, held_objects)), list(map(use_count, held_storages))
-            ) != holds.base:
+            ) != watch.base:
                 return _MISS
             if bound_objects is not None and (
                     list(map(data_ptr, bound_objects)) != bound_ptrs if bound_equal is None
@@ -596,11 +604,10 @@ class GraphedCallable:
         before = [(sys.getrefcount(args[i]), storage_uses(args[i]))  # type: ignore[arg-type]
                   for i in statics]
         # inputs the capture keeps that are another capture's outputs (graph A's result that
-        # graph B updates in place across a graph break): what B keeps is lent to A's counts
-        lenders = [(i, h) for i in _distinct_tensors(args, (*self._slots.static, *self._slots.mutated))
-                   if (h := lender(args[i])) is not None]  # type: ignore[arg-type]
-        lent_before = [(sys.getrefcount(args[i]), storage_uses(args[i]))  # type: ignore[arg-type]
-                       for i, _ in lenders]
+        # graph B updates in place across a graph break): what B keeps, A's captures own
+        kept_outputs = [(i, w) for i in _distinct_tensors(args, (*self._slots.static, *self._slots.mutated))
+                        if (w := watches_of(args[i]))]  # type: ignore[arg-type]
+        kept_before = [references(args[i]) for i, _ in kept_outputs]  # type: ignore[arg-type]
         cap = record(self._fn, self.name, self._spec, self._policy, self._slots, key, args,
                      device, self._pool_for(device), self._replay_closure, as_call,
                      self._mirrored, self._adoptable(reason), new_tensor)
@@ -620,23 +627,24 @@ class GraphedCallable:
         cap.own_refs = [(i, sys.getrefcount(args[i]) - refs,
                          storage_uses(args[i]) - uses)  # type: ignore[arg-type]
                         for i, (refs, uses) in zip(statics, before, strict=True)]
-        kept = [(sys.getrefcount(args[i]) - refs, storage_uses(args[i]) - uses)  # type: ignore[arg-type]
-                for (i, _), (refs, uses) in zip(lenders, lent_before, strict=True)]
-        cap.keeps([h.lend(args[i], refs, uses)  # type: ignore[arg-type]
-                   for (i, h), (refs, uses) in zip(lenders, kept, strict=True)])
+        kept = [tuple(n - b for n, b in zip(references(args[i]), before_i, strict=True))  # type: ignore[arg-type]
+                for (i, _), before_i in zip(kept_outputs, kept_before, strict=True)]
+        cap.keeps([owned_by_capture(args[i], counts, w)  # type: ignore[arg-type]
+                   for (i, w), counts in zip(kept_outputs, kept, strict=True)])
         if replacing is not None:
             replacing.release()
         self.events.append(CaptureEvent(key, reason))
         self._counters.count_capture(reason, self._total)
         logger.info("%s: captured graph key %s (%s)", self.name, key, reason)
-        if cap.holds is not None:
-            cap.holds.settle()  # nothing outside the capture holds its outputs yet
+        if cap.watch is not None:
+            cap.watch.settle()  # nothing outside the capture holds its outputs yet
         if as_call:
             # the capture's run was this call: its writes stay, its outputs are returned cloned
             assert cap.plan is not None
             return cap.plan.own(args)
         if result is not _NO_RESULT:
-            note_result(result)  # the warmup's result is the call's, as a replay's would be
+            # the warmup's result is the call's, as a replay's would be
+            self._ledger_of(device).note_returned([result])
             return result
         result = cap.replay(args)
         if result is _MISS:
@@ -681,7 +689,12 @@ class GraphedCallable:
             in_place.update(i for i in slots.user if i not in cap.mirrored)
         declared = self._output_spec.aliases_input if self._output_spec is not None else ()
         return output_plan(cap.outputs, self.name, cap.args, slots.user, cap.buffers, in_place,
-                           declared, self._policy.clone_output)
+                           declared, self._policy.clone_output, self._ledger_of(cap.graph.device))
+
+    def _ledger_of(self, device: torch.device) -> OutputLedger:
+        if self._ledger is None:
+            self._ledger = ledger_for(self._pool_for(device))
+        return self._ledger
 
     # ---- fallback, pools, bookkeeping ---------------------------------------------------
     def _fall_back(self, reason: str) -> None:

@@ -182,6 +182,10 @@ class CpuGraph:
         self._claims = weakref.finalize(self, self._pool.release, blocks)
         self._tensors = recorder.tensors
         self._replay, self._issued = generate(recorder.steps, recorder.tensors, dead)
+        # the recording's Python storage objects go now, not when the collector finds the
+        # recorder: a reference to one of them is how a caller keeping only
+        # ``out.untyped_storage()`` is seen (ledger.py), so none may go away later
+        recorder.storages.clear()
 
     def stop_launching(self) -> None:
         """The capture in progress records the collectives still to come without launching them
