@@ -16,12 +16,6 @@ import torch
 from npugraph_runtime.devices import cpu_kernels
 
 
-@pytest.fixture(autouse=True)
-def _untimed_kernel_choice(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(cpu_kernels, "_cost_ns", lambda fn, first_ns=None: 1000)
-    monkeypatch.setattr(cpu_kernels, "_DECIDED", {})
-
-
 def _capture(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> tuple[ngr.Graph, torch.Tensor]:
     g = ngr.Graph("cpu")
     with torch.no_grad(), ngr.graph(g):

@@ -19,7 +19,7 @@ import torch
 
 from npugraph_runtime import _compat
 from npugraph_runtime.devices.cpu_collectives import Emitter, work_path
-from npugraph_runtime.devices.cpu_kernels import Kind, cheapest, public_binding
+from npugraph_runtime.devices.cpu_kernels import Kind, preferred, public_binding
 from npugraph_runtime.devices.cpu_recorder import Step, TensorEntry, TRef
 from npugraph_runtime.devices.cpu_streams import replays_marker
 from npugraph_runtime.spans import bytes_overlap
@@ -115,7 +115,7 @@ _Planned = tuple[Step, Kind, Any, tuple[str, ...], tuple[tuple[tuple[int, ...], 
 
 def _plan(steps: Sequence[Step], tensors: Sequence[TensorEntry], dead: set[int]) -> list[_Planned]:
     """Walk the steps backwards: drop pure ops none of whose results is used (their storages are
-    dead intermediates no later op reads), pick each remaining op's cheapest verified kernel given
+    dead intermediates no later op reads), pick each remaining op's preferred verified kernel given
     which outputs are used, and copy only those. Returns (step, kind, call, out_names, outs)."""
     read: set[int] = set()
     planned = []
@@ -129,7 +129,7 @@ def _plan(steps: Sequence[Step], tensors: Sequence[TensorEntry], dead: set[int])
             needed = [tensors[r.i].storage not in dead or tensors[r.i].storage in read for _, r in outs]
             if not any(needed):
                 continue
-            best = cheapest(step.candidates, step.copy_costs, needed)
+            best = preferred(step.candidates)
             kind, call, out_names = best.kind, best.call, best.out_names
             if kind is Kind.COPY:
                 outs = tuple(o for o, n in zip(outs, needed, strict=True) if n)
