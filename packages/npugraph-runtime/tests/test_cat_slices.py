@@ -2,9 +2,8 @@
 that only the cat reads writes straight into its slice (cpu_replay._split_cats): bitwise the
 same bytes as eager's cat, NaN payloads and signs and -0.0 included, over fresh inputs.
 
-Which kernel re-issues each op is timed at capture (cpu_kernels): these tests give every
-candidate the same cost, so that what they check about the rewrite does not depend on how loaded
-the machine is (ties pick the out= binding, as a quiet machine does)."""
+Which kernel re-issues each op follows a fixed rule (cpu_kernels), never a timing, so what these
+tests check about the rewrite does not depend on how loaded the machine is."""
 
 from __future__ import annotations
 
@@ -13,7 +12,6 @@ from collections.abc import Callable
 import npugraph_runtime as ngr
 import pytest
 import torch
-from npugraph_runtime.devices import cpu_kernels
 
 
 def _capture(fn: Callable[..., torch.Tensor], *inputs: torch.Tensor) -> tuple[ngr.Graph, torch.Tensor]:

@@ -14,8 +14,8 @@ import torch
 
 from npugraph_runtime import _compat
 from npugraph_runtime.core_limit import capture_core_limit
-from npugraph_runtime.devices.base import DeviceGraph, PoolHandle
-from npugraph_runtime.devices.cpu import CpuGraph
+from npugraph_runtime.devices import backend_for
+from npugraph_runtime.devices.base import ComputingGraph, DeviceGraph, PoolHandle, computing
 from npugraph_runtime.devices.no_launch import Launched, UndoneRun
 from npugraph_runtime.errors import CaptureError, PolicyError
 from npugraph_runtime.graphs import Graph, graph
@@ -227,9 +227,9 @@ def undone_runs(fn: Callable[..., object], args: Args, slots: Slots, runs: int) 
 
 
 def capture_runs_fn(device: torch.device) -> bool:
-    """Whether a capture on ``device`` computes what an eager run does (the CPU graph runs every
-    op it records; an accelerator's capture launches nothing), so that its run can be a call's."""
-    return device.type == "cpu"
+    """Whether a capture on ``device`` computes what an eager run does (the device says:
+    DeviceBackend.capture_computes), so that its run can be a call's."""
+    return bool(backend_for(device).capture_computes)
 
 
 def record(
@@ -264,8 +264,8 @@ def record(
             relaunch)
         if raw_reads <= mirrored:
             break
-        if isinstance(g, CpuGraph):
-            relaunch = g.launched()
+        if (c := computing(g)) is not None:
+            relaunch = c.launched()
         _undo(g)
         g.reset()
         mirrored |= raw_reads
@@ -279,19 +279,19 @@ def record(
         _undo(g)
         g.reset()
         raise
-    if isinstance(g, CpuGraph) and as_call:
+    if (c := computing(g)) is not None and as_call:
         # every write stays, to the mutated inputs and to any other tensor fn writes (its state):
         # the run was the call's, as an eager run would be (inputs fn may not write were refused)
-        g.drop_undo()
+        c.drop_undo()
     return cap
 
 
 def _undo(g: DeviceGraph) -> None:
-    if isinstance(g, CpuGraph):
-        g.undo_writes()
+    if (c := computing(g)) is not None:
+        c.undo_writes()
 
 
-def _stop_launching_if_unmirrored(g: CpuGraph, mirrored: frozenset[int]) -> Callable[[int], None]:
+def _stop_launching_if_unmirrored(g: ComputingGraph, mirrored: frozenset[int]) -> Callable[[int], None]:
     def seen(slot: int) -> None:
         if slot not in mirrored:
             g.stop_launching()
@@ -314,14 +314,14 @@ def _record_once(
         watched.setdefault(storage_ptr(tensor(args, i)), i)
     g = Graph(device)
     again = None
-    if isinstance(g, CpuGraph):
+    if (c := computing(g)) is not None:
         # a run that is not the call's launches no collective: the call's own run (a warm-up,
         # or the replay after this) issues each one once. Nor does a run from the moment it
         # reads an unmirrored input through as_strided: it is made again, mirrored (record)
-        g.keep_writes = g.launch_collectives = as_call
-        g.keep_launched = as_call and not set(slots.user) <= mirrored
-        g.relaunch = relaunch
-        again = _stop_launching_if_unmirrored(g, mirrored)
+        c.keep_writes = c.launch_collectives = as_call
+        c.keep_launched = as_call and not set(slots.user) <= mirrored
+        c.relaunch = relaunch
+        again = _stop_launching_if_unmirrored(c, mirrored)
     watch = WriteWatch({p: i for p, i in watched.items() if p and p not in mutated},
                        {p: i for p, i in users.items() if p}, again)
     with (

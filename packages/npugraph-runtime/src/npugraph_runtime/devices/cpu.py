@@ -66,6 +66,8 @@ _CAPTURING = _Capturing()
 class CpuGraph:
     """A device graph on the CPU (see the module docstring for what the user must guarantee)."""
 
+    capture_computes = True  # the recorder runs every op it records
+
     def __init__(self, device: torch.device | str | None = None) -> None:
         if device is not None and torch.device(device).type != "cpu":
             raise DeviceError(f"CpuGraph got device={device!r}; it captures 'cpu' only")
@@ -315,6 +317,7 @@ class CpuBackend:
     """DeviceBackend and StreamBackend of the CPU."""
 
     type = "cpu"
+    capture_computes = True
 
     def new_graph(self, device: torch.device) -> CpuGraph:
         return CpuGraph(device)

@@ -275,8 +275,8 @@ class Decision:
 _DECIDED: dict[Any, Decision] = {}
 _DECIDED_MAX = 4096
 # Decisions imported with seed_kernel_decisions, by the text of their key, until first used:
-# (labels, the number of outputs, the intra-op threads a trusted seed holds for, or None).
-_SEEDED: dict[str, tuple[tuple[str, ...], int, int | None]] = {}
+# (labels, the intra-op threads a trusted seed holds for, or None).
+_SEEDED: dict[str, tuple[tuple[str, ...], int | None]] = {}
 # How captures got their decisions in this process: "decided" (candidates verified in rule
 # order), "rechecked" (a known decision, verified again on this data), "trusted" (a trusted
 # seed, nothing run again).

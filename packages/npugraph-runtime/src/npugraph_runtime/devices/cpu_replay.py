@@ -18,10 +18,12 @@ from typing import Any
 import torch
 
 from npugraph_runtime import _compat
+from npugraph_runtime.devices.base import scope_exits
 from npugraph_runtime.devices.cpu_collectives import Emitter, work_path
 from npugraph_runtime.devices.cpu_kernels import Kind, preferred, public_binding
 from npugraph_runtime.devices.cpu_recorder import Step, TensorEntry, TRef
 from npugraph_runtime.devices.cpu_streams import replays_marker
+from npugraph_runtime.errors import CaptureError
 from npugraph_runtime.spans import bytes_overlap
 
 
@@ -355,10 +357,11 @@ def generate(
     if any(replays_marker(step.func) for step in steps):
         # a replay that raises inside a stream or core-limit scope exits the scopes it entered,
         # as eager code's with block would (else the thread stays on that stream, or limit)
-        from npugraph_runtime import ops
-
-        names.values["scope_depth"] = ops.scope_depth
-        names.values["exit_scopes"] = ops.exit_scopes
+        exits = scope_exits()
+        if exits is None:
+            raise CaptureError("internal: a scope marker was recorded, but no layer above the "
+                               "devices provided scope exits (npugraph_runtime.ops)")
+        names.values["scope_depth"], names.values["exit_scopes"] = exits
         params = ", ".join(f"{n}={n}" for n in names.values)
         body = "\n".join(f"            {line}" for line in lines) or "            pass"
         source = (f"def replay({params}):\n    depth = scope_depth()\n    try:\n"
