@@ -21,7 +21,7 @@ from npugraph_runtime.errors import CaptureError, PolicyError
 from npugraph_runtime.graphs import Graph, graph
 from npugraph_runtime.inputs import WriteWatch, mirror, non_overlapping, storage_ptr
 from npugraph_runtime.keys import Args, Key
-from npugraph_runtime.ledger import OutputWatch, is_result
+from npugraph_runtime.ledger import OutputWatch, is_result, watches_of
 from npugraph_runtime.outputs import OutputPlan
 from npugraph_runtime.spans import bytes_overlap
 from npugraph_runtime.spec import CapturePolicy, InputSpec, SlotKind
@@ -77,6 +77,7 @@ class Capture:
         "addresses",
         "args",
         "buffers",
+        "caller_slots",
         "callers",
         "core_limit",
         "graph",
@@ -110,6 +111,7 @@ class Capture:
         self.watched_ptrs: list[int] = []
         # the caller's mutated tensors, weakly: the capture itself holds aliases of them
         self.callers: list[weakref.ref[torch.Tensor]] = []
+        self.caller_slots: list[int] = []  # the input slot of each of ``callers``
         # (static input index, references to the tensor object and uses of its storage that the
         # capture itself holds): see orphaned_captures
         self.own_refs: list[tuple[int, int, int]] = []
@@ -142,10 +144,18 @@ class Capture:
         _give_back(self.lent)
         self.graph.reset()
 
+    def let_go(self) -> list[int]:
+        """The mutated inputs whose tensor the caller let go (a finished request's cache). One
+        that is a live capture's static output is not let go even when the caller's tensor
+        object is gone (a view it made, ``out.logits[:, -1]``): that capture's replays hand the
+        same storage out again, as held logits a sampler scales in place."""
+        return [i for i, ref in zip(self.caller_slots, self.callers, strict=True)
+                if ref() is None and not watches_of(self.args[i])]  # type: ignore[arg-type]
+
     def dropped(self) -> bool:
-        """The caller let go of a mutated tensor of this capture (a finished request's cache):
-        nothing can call it with those addresses again, so it is the one to replace."""
-        return any(ref() is None for ref in self.callers)
+        """Nothing can call this capture with its mutated addresses again (``let_go``), so it is
+        the one to replace."""
+        return bool(self.let_go())
 
     def fits(self, args: Args, watched: Sequence[int]) -> bool:
         """The addresses the replay closure checks are the ones this call passes."""
@@ -271,6 +281,7 @@ def record(
         mirrored |= raw_reads
     cap = Capture(key, g, cap_args, buffers, mirrored)
     cap.callers = [weakref.ref(tensor(args, i)) for i in slots.mutated]
+    cap.caller_slots = list(slots.mutated)
     cap.outputs = out
     cap.new_tensor = new_tensor
     try:

@@ -379,8 +379,7 @@ class GraphedCallable:
         if new_tensor and gone.new_tensor and not gone.replayed[0] and gone.dropped():
             # a capture made for a new tensor, dropped before any later call replayed it: this
             # input is new on every call, and each call would capture
-            churned = [i for i, ref in zip(self._slots.mutated, gone.callers, strict=True)
-                       if ref() is None]
+            churned = gone.let_go()
             copied = self._copied.get(key)
             if copied is not None:
                 out = self._copy_more(key, args, copied, churned, written=True, replacing=gone)
