@@ -354,7 +354,7 @@ def _flush_denormal() -> bool:
 
 
 def _possible(func: Any, op: Callable[..., Any], outs: Outs, copy_only: bool) -> list[Candidate]:
-    """Every way ``func`` could be re-issued, unverified and untimed; the op itself first."""
+    """Every way ``func`` could be re-issued, unverified; the op itself first."""
     possible = [Candidate(Kind.COPY, op, label="op")]
     binding = public_binding(func.namespace, _compat.op_base_name(func))
     if binding is not None:
