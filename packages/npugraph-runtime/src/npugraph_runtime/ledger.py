@@ -124,11 +124,10 @@ class OutputLedger:
             elif isinstance(t, torch.Tensor) and (ptr := storage_ptr(t)):
                 self._returned[ptr] = t
 
-    def _knows(self, t: torch.Tensor) -> bool:
-        entry = self._entries.get(_cdata(t))
+    def _knows(self, cdata: int, ptr: int) -> bool:
+        entry = self._entries.get(cdata)
         if entry is not None and not entry.storage.expired():
             return True
-        ptr = storage_ptr(t)
         return bool(ptr) and ptr in self._returned
 
     def _watches_of(self, t: torch.Tensor) -> list[OutputWatch]:
@@ -169,7 +168,8 @@ def ledger_for(pool: object | None) -> OutputLedger:
 
 def is_result(t: torch.Tensor) -> bool:
     """``t`` shares its storage with a static output or with a result some call returned."""
-    return any(ledger._knows(t) for ledger in list(_LEDGERS))
+    cdata, ptr = _cdata(t), storage_ptr(t)
+    return any(ledger._knows(cdata, ptr) for ledger in list(_LEDGERS))
 
 
 def watches_of(t: torch.Tensor) -> list[OutputWatch]:
