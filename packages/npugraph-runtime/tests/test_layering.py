@@ -4,6 +4,7 @@ interpreter, loads no runtime module but devices/ and the leaves below it (see t
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -87,3 +88,103 @@ def test_the_leaves_below_devices_import_only_one_another() -> None:
     loaded = _loaded_by(list(BELOW_DEVICES))
     for name in BELOW_DEVICES:
         assert set(loaded[name]) <= set(BELOW_DEVICES), (name, loaded[name])
+
+
+# --- every import statement, function-level ones included -----------------------------------
+# An import inside a function runs only when the function does, so importing a module alone does
+# not show it; the source does. The package's __init__ (the facade that imports everything) is
+# not a layer: an edge to ``npugraph_runtime`` itself is not counted.
+
+
+def _module_names() -> dict[str, Path]:
+    names: dict[str, Path] = {}
+    for path in PACKAGE_DIR.rglob("*.py"):
+        parts = path.relative_to(PACKAGE_DIR.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        names[name] = path
+    return names
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The runtime modules ``name``'s source imports, at any depth of its code."""
+    found: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parent = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*parent, base] if base else parent)
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                       for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target not in ("npugraph_runtime", name):
+                found.add(target)
+    return found
+
+
+def _import_graph() -> dict[str, set[str]]:
+    modules = _module_names()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycle_in_the_runtime_function_level_imports_included() -> None:
+    graph = _import_graph()
+    assert "npugraph_runtime.devices.cpu" in graph["npugraph_runtime.devices"]  # a function-level one
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_check_sees_a_function_level_import() -> None:
+    graph = _import_graph()
+    # what the CPU replay once did to reach the scope ops: devices -> ops -> streams -> devices
+    graph["npugraph_runtime.devices.cpu_replay"].add("npugraph_runtime.ops")
+    assert any("npugraph_runtime.ops" in c for c in _cycles(graph))
+
+
+def test_no_module_of_devices_imports_above_it_anywhere_in_its_source() -> None:
+    graph = _import_graph()
+    upward = {name: sorted(t for t in targets if t not in BELOW_DEVICES
+                           and not t.startswith("npugraph_runtime.devices"))
+              for name, targets in graph.items() if name.startswith("npugraph_runtime.devices")}
+    assert upward == {name: [] for name in upward}

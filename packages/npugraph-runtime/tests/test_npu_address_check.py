@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import npugraph_runtime as ngr
 import pytest
 import torch
-from npugraph_runtime import _compat, manager
+from npugraph_runtime import _compat, bindings
 from torch._dynamo.utils import counters
 
 calls = [0]
@@ -32,9 +32,9 @@ def fake_torch_npu() -> Iterator[None]:
     fake._C = types.SimpleNamespace(_tensors_data_ptrs_at_indices_equal=_fake_equal)  # type: ignore[attr-defined]
     with pytest.MonkeyPatch.context() as mp:
         mp.setitem(sys.modules, "torch_npu", fake)
-        manager._checked_ptrs_equal.cache_clear()
+        bindings.checked_ptrs_equal.cache_clear()
         yield
-    manager._checked_ptrs_equal.cache_clear()
+    bindings.checked_ptrs_equal.cache_clear()
 
 
 def test_torch_npus_batched_check_is_used_and_catches_a_rebound_weight(fake_torch_npu: None) -> None:

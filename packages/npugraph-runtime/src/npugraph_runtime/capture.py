@@ -14,14 +14,15 @@ import torch
 
 from npugraph_runtime import _compat
 from npugraph_runtime.core_limit import capture_core_limit
-from npugraph_runtime.devices.base import DeviceGraph, PoolHandle
-from npugraph_runtime.devices.cpu import CpuGraph
+from npugraph_runtime.devices import backend_for
+from npugraph_runtime.devices.base import ComputingGraph, DeviceGraph, PoolHandle, computing
 from npugraph_runtime.devices.no_launch import Launched, UndoneRun
 from npugraph_runtime.errors import CaptureError, PolicyError
 from npugraph_runtime.graphs import Graph, graph
 from npugraph_runtime.inputs import WriteWatch, mirror, non_overlapping, storage_ptr
 from npugraph_runtime.keys import Args, Key
-from npugraph_runtime.outputs import Holds, OutputPlan, is_result
+from npugraph_runtime.ledger import OutputWatch, is_result, watches_of
+from npugraph_runtime.outputs import OutputPlan
 from npugraph_runtime.spans import bytes_overlap
 from npugraph_runtime.spec import CapturePolicy, InputSpec, SlotKind
 
@@ -71,10 +72,28 @@ class Slots:
 class Capture:
     """One captured graph and what its replay closure needs kept alive."""
 
-    __slots__ = ("__weakref__", "addresses", "args", "buffers", "callers", "core_limit", "graph",
-                 "holds", "key", "lent", "mirrored", "new_tensor", "orphans", "outputs", "own_refs",
-                 "plan",
-                 "replay", "replayed", "watched_ptrs")
+    __slots__ = (
+        "__weakref__",
+        "addresses",
+        "args",
+        "buffers",
+        "caller_slots",
+        "callers",
+        "core_limit",
+        "graph",
+        "key",
+        "lent",
+        "mirrored",
+        "new_tensor",
+        "orphans",
+        "outputs",
+        "own_refs",
+        "plan",
+        "replay",
+        "replayed",
+        "watch",
+        "watched_ptrs",
+    )
 
     def __init__(
         self, key: Key, graph: DeviceGraph, args: list[object], buffers: list[torch.Tensor],
@@ -92,13 +111,14 @@ class Capture:
         self.watched_ptrs: list[int] = []
         # the caller's mutated tensors, weakly: the capture itself holds aliases of them
         self.callers: list[weakref.ref[torch.Tensor]] = []
+        self.caller_slots: list[int] = []  # the input slot of each of ``callers``
         # (static input index, references to the tensor object and uses of its storage that the
         # capture itself holds): see orphaned_captures
         self.own_refs: list[tuple[int, int, int]] = []
         # of those inputs, the ones nothing else referenced when orphaned_captures last looked:
         # another instance's re-bound buffer, not its parameters (copied_inputs)
         self.orphans: list[int] = []
-        # the undos of what this capture keeps of other captures' outputs (Holds.lend)
+        # the undos of what this capture keeps of other captures' outputs (ledger.owned_by_capture)
         self.lent: list[Callable[[], None]] = []
         # made for a mutated tensor at a new address: whether a later call replays it tells a
         # request's tensor from one that is new on every call (copied_inputs); only such a
@@ -107,12 +127,12 @@ class Capture:
         self.replayed = [False]  # a cell, so the replay closure noting it does not hold self
         self.core_limit = capture_core_limit()
         self.outputs: object = None
-        self.holds: Holds | None = None
+        self.watch: OutputWatch | None = None
         self.plan: OutputPlan | None = None
         self.replay: Callable[[Args], object] = _unset
 
     def keeps(self, lent: list[Callable[[], None]]) -> None:
-        """This capture keeps other captures' outputs (``lent``: the undos of Holds.lend); they
+        """This capture keeps other captures' outputs (``lent``: the undos of ledger.owned_by_capture); they
         are given back when it is released, or when it is collected without a release."""
         self.lent = lent
         if lent:
@@ -120,14 +140,22 @@ class Capture:
 
     def release(self) -> None:
         """Let go of the graph, first giving back what it kept of other captures' outputs: a
-        lender's count that is briefly above the caller's reads as held, the safe side."""
+        ledger's owned count that is briefly above the caller's reads as held, the safe side."""
         _give_back(self.lent)
         self.graph.reset()
 
+    def let_go(self) -> list[int]:
+        """The mutated inputs whose tensor the caller let go (a finished request's cache). One
+        that is a live capture's static output is not let go even when the caller's tensor
+        object is gone (a view it made, ``out.logits[:, -1]``): that capture's replays hand the
+        same storage out again, as held logits a sampler scales in place."""
+        return [i for i, ref in zip(self.caller_slots, self.callers, strict=True)
+                if ref() is None and not watches_of(self.args[i])]  # type: ignore[arg-type]
+
     def dropped(self) -> bool:
-        """The caller let go of a mutated tensor of this capture (a finished request's cache):
-        nothing can call it with those addresses again, so it is the one to replace."""
-        return any(ref() is None for ref in self.callers)
+        """Nothing can call this capture with its mutated addresses again (``let_go``), so it is
+        the one to replace."""
+        return bool(self.let_go())
 
     def fits(self, args: Args, watched: Sequence[int]) -> bool:
         """The addresses the replay closure checks are the ones this call passes."""
@@ -209,9 +237,9 @@ def undone_runs(fn: Callable[..., object], args: Args, slots: Slots, runs: int) 
 
 
 def capture_runs_fn(device: torch.device) -> bool:
-    """Whether a capture on ``device`` computes what an eager run does (the CPU graph runs every
-    op it records; an accelerator's capture launches nothing), so that its run can be a call's."""
-    return device.type == "cpu"
+    """Whether a capture on ``device`` computes what an eager run does (the device says:
+    DeviceBackend.capture_computes), so that its run can be a call's."""
+    return bool(backend_for(device).capture_computes)
 
 
 def record(
@@ -246,13 +274,14 @@ def record(
             relaunch)
         if raw_reads <= mirrored:
             break
-        if isinstance(g, CpuGraph):
-            relaunch = g.launched()
+        if (c := computing(g)) is not None:
+            relaunch = c.launched()
         _undo(g)
         g.reset()
         mirrored |= raw_reads
     cap = Capture(key, g, cap_args, buffers, mirrored)
     cap.callers = [weakref.ref(tensor(args, i)) for i in slots.mutated]
+    cap.caller_slots = list(slots.mutated)
     cap.outputs = out
     cap.new_tensor = new_tensor
     try:
@@ -261,19 +290,19 @@ def record(
         _undo(g)
         g.reset()
         raise
-    if isinstance(g, CpuGraph) and as_call:
+    if (c := computing(g)) is not None and as_call:
         # every write stays, to the mutated inputs and to any other tensor fn writes (its state):
         # the run was the call's, as an eager run would be (inputs fn may not write were refused)
-        g.drop_undo()
+        c.drop_undo()
     return cap
 
 
 def _undo(g: DeviceGraph) -> None:
-    if isinstance(g, CpuGraph):
-        g.undo_writes()
+    if (c := computing(g)) is not None:
+        c.undo_writes()
 
 
-def _stop_launching_if_unmirrored(g: CpuGraph, mirrored: frozenset[int]) -> Callable[[int], None]:
+def _stop_launching_if_unmirrored(g: ComputingGraph, mirrored: frozenset[int]) -> Callable[[int], None]:
     def seen(slot: int) -> None:
         if slot not in mirrored:
             g.stop_launching()
@@ -296,14 +325,14 @@ def _record_once(
         watched.setdefault(storage_ptr(tensor(args, i)), i)
     g = Graph(device)
     again = None
-    if isinstance(g, CpuGraph):
+    if (c := computing(g)) is not None:
         # a run that is not the call's launches no collective: the call's own run (a warm-up,
         # or the replay after this) issues each one once. Nor does a run from the moment it
         # reads an unmirrored input through as_strided: it is made again, mirrored (record)
-        g.keep_writes = g.launch_collectives = as_call
-        g.keep_launched = as_call and not set(slots.user) <= mirrored
-        g.relaunch = relaunch
-        again = _stop_launching_if_unmirrored(g, mirrored)
+        c.keep_writes = c.launch_collectives = as_call
+        c.keep_launched = as_call and not set(slots.user) <= mirrored
+        c.relaunch = relaunch
+        again = _stop_launching_if_unmirrored(c, mirrored)
     watch = WriteWatch({p: i for p, i in watched.items() if p and p not in mutated},
                        {p: i for p, i in users.items() if p}, again)
     with (

@@ -32,7 +32,7 @@ import torch
 
 from npugraph_runtime.inputs import non_overlapping, storage_ptr
 from npugraph_runtime.keys import Args
-from npugraph_runtime.outputs import is_result
+from npugraph_runtime.ledger import is_result
 
 __all__ = ["LIVES", "CopiedInputs"]
 

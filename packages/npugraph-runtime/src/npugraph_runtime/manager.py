@@ -10,16 +10,16 @@ replay returns."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from npugraph_runtime import _compat
+from npugraph_runtime.bindings import MISS, checked_ptrs_equal, equal, replay_closure, slot_bindings
 from npugraph_runtime.callsite import warn_at_caller
 from npugraph_runtime.capture import (
     Capture,
@@ -50,9 +50,16 @@ from npugraph_runtime.counters import (
 from npugraph_runtime.devices.base import DeviceGraph, PoolHandle
 from npugraph_runtime.errors import CaptureError, PolicyError
 from npugraph_runtime.graphs import as_pool_handle, graph_pool_handle
-from npugraph_runtime.inputs import mirror_filler, refiller, storage_ptr
-from npugraph_runtime.keys import NEEDS_GRAD, Args, Key, key_function, picker
-from npugraph_runtime.outputs import OutputPlan, lender, note_result, output_plan
+from npugraph_runtime.inputs import storage_ptr
+from npugraph_runtime.keys import NEEDS_GRAD, Args, Key, key_function
+from npugraph_runtime.ledger import (
+    OutputLedger,
+    ledger_for,
+    owned_by_capture,
+    references,
+    watches_of,
+)
+from npugraph_runtime.outputs import OutputPlan, output_plan
 from npugraph_runtime.selection import choose
 from npugraph_runtime.spec import CapturePolicy, InputSpec, OutputSpec, SlotKind
 
@@ -60,14 +67,7 @@ __all__ = ["CaptureEvent", "GraphedCallable", "make_graphed_callable"]
 
 _data_ptr = torch.Tensor.data_ptr
 _NO_RESULT: Any = object()
-# what a replay closure returns when its capture cannot serve the call (other addresses,
-# another core limit, outputs still held): the caller then looks for another capture
-_MISS: Any = object()
 _TENSOR_KINDS = (SlotKind.STATIC, SlotKind.MUTATED, SlotKind.USER)
-
-
-# Profiler range name (what a trace shows); the backend's compile phases use the same prefix.
-REPLAY_RANGE = "npugraph_ex::replay"
 
 
 class GraphedCallable:
@@ -145,11 +145,12 @@ class GraphedCallable:
         self._warned_held = False
         self._warned_grad = False
         self._pool: PoolHandle | None = None
+        self._ledger: OutputLedger | None = None  # of the pool's static outputs (ledger.py)
         self._n = len(spec.kinds)
         self._slots = Slots(spec, policy)
         self._key = key_function(spec)
         self._copy = _compat.foreach_copy()
-        self._ptrs_equal = _checked_ptrs_equal()
+        self._ptrs_equal = checked_ptrs_equal()
         self._captures: dict[Key, list[Capture]] = {}
         self._total = 0
         self._released = 0  # captures released as orphaned (_release_orphans)
@@ -182,7 +183,7 @@ class GraphedCallable:
             if run is None:
                 return self._miss(key, args)
             out = run(args)
-            if out is _MISS:
+            if out is MISS:
                 return self._reselect(key, args, run)
             return out
 
@@ -212,7 +213,7 @@ class GraphedCallable:
                     run = by_run.get(runs.get(key))
                     if run is not None:
                         out = run(call)
-                        if out is not _MISS:
+                        if out is not MISS:
                             return out
                     out = self(*call, *held)
                     self._follow(variants.by_run, key, held)  # keeps variants alive
@@ -234,103 +235,20 @@ class GraphedCallable:
     def _replay_closure(
         self, cap: Capture, held: tuple[object, ...] | None = None
     ) -> Callable[[Args], object]:
-        """The replay closure of ``cap``; with ``held`` (bind), one that takes only the inputs
-        before them."""
-        replay = cap.graph.replay
-        if cap.new_tensor:
-            replay = _noting_replays(cap.replayed, replay)
-        core_limit, captured_limit = capture_core_limit, cap.core_limit
-        # Inputs the graph uses in place: their addresses at capture, checked in one C++ call
-        # where torch has one, else in one pass of data_ptr (~55 ns a tensor).
-        slots = self._slots
-        watched = slots.watched
-        n = self._n if held is None else self._n - len(held)
+        """The replay closure of ``cap``, generated from its slots' bindings; with ``held``
+        (bind), one that takes only the inputs before them."""
         if held is None:
-            cap.watched_ptrs = [cap.addresses[i] for i in watched]
+            cap.watched_ptrs = [cap.addresses[i] for i in self._slots.watched]
             cap.plan = self._output_plan(cap)
-            cap.holds = cap.plan.holds
-            bound_objects: list[Any] | None = None  # tensors: held inputs are static
-            bound_ptrs: list[int | None] = []
-            bound_at: list[int] = []
-        else:  # held inputs: checked over the objects, no picking
-            bound_objects = [held[i - n] for i in watched if i >= n]
-            bound_ptrs = [cap.addresses[i] for i in watched if i >= n]
-            bound_at = list(range(len(bound_objects)))
-            watched = [i for i in watched if i < n]
-        watched_ptrs = [cap.addresses[i] for i in watched]
-        pick_watched = _tensor_picker(watched)
-        bound_equal = self._ptrs_equal
-        all_equal = self._ptrs_equal if watched else None
-        by_slot: list[int | None] = [cap.addresses.get(i) if i in watched else None
-                                     for i in range(n)]
-        plain_slots = [i for i in slots.user if i not in cap.mirrored]
-        pick_user = _tensor_picker(plain_slots)
-        buffers = [b for i, b in zip(slots.user, cap.buffers, strict=True) if i not in cap.mirrored]
-        copy = self._copy
-        always_copy = self._policy.clone_input  # owned buffers never equal a caller's tensor
-        unchanged, refill = refiller(buffers, copy, plain_slots)
-        mirrored = sorted(cap.mirrored)
-        pick_mirrored = _tensor_picker(mirrored)
-        fill_mirrors = mirror_filler(
-            [cap.buffers[slots.user.index(i)] for i in mirrored], mirrored, self.name)
-        plan = cap.plan
-        assert plan is not None
-        # the result is read from the plan: a closure made after the capture's counts settled
-        # (bind) must not add a reference to an output it hands out
-        build, holds = plan.build, plan.holds
-        # What tells whether the caller still holds the previous replay's outputs (outputs.py)
-        held_objects = holds.objects if holds is not None else []
-        held_storages = holds.cdatas if holds is not None else []
-        refcount, use_count = sys.getrefcount, _compat.storage_use_count()
-        data_ptr = _data_ptr
-        pick_constants = picker(slots.constant)
-        constants = pick_constants(tuple(cap.args)) if pick_constants is not None else ()
-        changed_constant = self._changed_constant
-
-        profiling = _compat.profiler_enabled
-
-        # one frame a call: the profiler range re-enters it once with ``ranged``
-        def run(args: Args, ranged: bool = False) -> object:
-            if not ranged and profiling():
-                with torch.profiler.record_function(REPLAY_RANGE):
-                    return run(args, True)
-            if pick_constants is not None and not _equal(pick_constants(args), constants):
-                changed_constant(args, constants)
-            if core_limit() != captured_limit:
-                return _MISS
-            # the caller still holds the previous replay's outputs: checked first, it is the
-            # cheap test that makes a decode loop move to the other capture of the key
-            if holds is not None and (
-                list(map(refcount, held_objects)), list(map(use_count, held_storages))
-            ) != holds.base:
-                return _MISS
-            if bound_objects is not None and (
-                    list(map(data_ptr, bound_objects)) != bound_ptrs if bound_equal is None
-                    else not bound_equal(bound_objects, bound_ptrs, bound_at)):
-                return _MISS
-            if all_equal is not None:
-                if not all_equal(list(args), by_slot, watched):
-                    return _MISS
-            elif pick_watched is not None and list(map(data_ptr, pick_watched(args))) != watched_ptrs:
-                return _MISS
-            if pick_user is not None:
-                sources = pick_user(args)
-                if always_copy:
-                    copy(buffers, sources)
-                elif not unchanged(sources):
-                    refill(sources)
-            if pick_mirrored is not None:
-                fill_mirrors(pick_mirrored(args))
-            replay()
-            if build is None:
-                return plan.result
-            return build(args if held is None else (*args, *held))
-
-        return run
+            cap.watch = cap.plan.watch
+        return replay_closure(self.name, cap, slot_bindings(self._slots, cap), self._slots, self._n,
+                              held,
+                              self._copy, self._ptrs_equal, self._policy.clone_input,
+                              self._changed_constant)
 
     def _changed_constant(self, args: Args, constants: tuple[object, ...]) -> None:
         for i, was in zip(self._slots.constant, constants, strict=True):
-            if not _equal((args[i],), (was,)):
+            if not equal((args[i],), (was,)):
                 raise PolicyError(
                     f"{self.name}: constant input {i} is {args[i]!r} but the graph was captured "
                     f"with {was!r}; a replay can only repeat the captured value. Pass values that "
@@ -346,7 +264,7 @@ class GraphedCallable:
         for c in caps:
             if c.replay is not tried:
                 out = c.replay(args)
-                if out is not _MISS:
+                if out is not MISS:
                     self._runs[key] = c.replay
                     return out
         choice = choose(self.name, self._slots, caps, args, capture_core_limit(),
@@ -365,18 +283,17 @@ class GraphedCallable:
                     # self.steps + 1``) that is new on every call: read from a buffer of the
                     # key's own, refilled before each replay
                     out = self._copy_statics(key, args, renewed)
-                    if out is not _MISS:
+                    if out is not MISS:
                         return out
             return self._another(key, args, choice.reason, new_tensor)
         if new_tensor and gone.new_tensor and not gone.replayed[0] and gone.dropped():
             # a capture made for a new tensor, dropped before any later call replayed it: this
             # input is new on every call, and each call would capture
-            churned = [i for i, ref in zip(self._slots.mutated, gone.callers, strict=True)
-                       if ref() is None]
+            churned = gone.let_go()
             copied = self._copied.get(key)
             if copied is not None:
                 out = self._copy_more(key, args, copied, churned, written=True, replacing=gone)
-                if out is not _MISS:
+                if out is not MISS:
                     return out
             elif CopiedInputs.eligible(churned, args):
                 return self._start_copying(key, args, CopiedInputs(churned, args, churned))
@@ -384,23 +301,23 @@ class GraphedCallable:
 
     def _copy_statics(self, key: Key, args: Args, renewed: dict[int, int]) -> object:
         """Copy the static inputs of ``renewed`` (see _renewed) that this call passes anew, if
-        they can be (beside those the key copies already); else _MISS."""
+        they can be (beside those the key copies already); else MISS."""
         churned = [i for i, ptr in renewed.items() if tensor(args, i).data_ptr() != ptr]
         copied = self._copied.get(key)
         if copied is not None:
             return self._copy_more(key, args, copied, churned)
         if not CopiedInputs.eligible(churned, args):
-            return _MISS
+            return MISS
         return self._start_copying(key, args, CopiedInputs(churned, args))
 
     def _copy_more(self, key: Key, args: Args, copied: CopiedInputs, churned: list[int],
                    written: bool = False, replacing: Capture | None = None) -> object:
         """The key copies some inputs already (``args`` hold its buffers): copy ``churned`` too
-        (``written``: mutated ones, copied back), and capture over them; _MISS where they cannot
+        (``written``: mutated ones, copied back), and capture over them; MISS where they cannot
         be. A layer's re-bound buffer beside the other graph's result it updates in place."""
         churned = [i for i in churned if i not in copied.slots]
         if not CopiedInputs.eligible(churned, args):
-            return _MISS
+            return MISS
         copied.add(churned, args, written)
         sub = copied.substitute(args)
         self._copy([tensor(sub, i) for i in churned], [tensor(args, i) for i in churned])
@@ -438,8 +355,8 @@ class GraphedCallable:
             copy(copied.buffers, sources)
             sub = copied.substitute(args)
             inner = copied.inner
-            out = inner(sub) if inner is not None else _MISS
-            if out is _MISS:
+            out = inner(sub) if inner is not None else MISS
+            if out is MISS:
                 if self._captures.get(key):
                     out = self._reselect(key, sub, inner if inner is not None else run)
                 else:  # every capture of the key was released (its static inputs dropped)
@@ -513,7 +430,7 @@ class GraphedCallable:
             # every capture of this key was released, its static inputs dropped (another key's
             # call found them so: dynamic shapes, a buffer re-bound on every call)
             out = self._copy_statics(key, args, renewed)
-            if out is not _MISS:
+            if out is not MISS:
                 return out
             # as new (a swapped model's key warms up again), noting whether a call replays it
             return self._capture(key, args, NEW_KEY, new_tensor=True)
@@ -596,11 +513,10 @@ class GraphedCallable:
         before = [(sys.getrefcount(args[i]), storage_uses(args[i]))  # type: ignore[arg-type]
                   for i in statics]
         # inputs the capture keeps that are another capture's outputs (graph A's result that
-        # graph B updates in place across a graph break): what B keeps is lent to A's counts
-        lenders = [(i, h) for i in _distinct_tensors(args, (*self._slots.static, *self._slots.mutated))
-                   if (h := lender(args[i])) is not None]  # type: ignore[arg-type]
-        lent_before = [(sys.getrefcount(args[i]), storage_uses(args[i]))  # type: ignore[arg-type]
-                       for i, _ in lenders]
+        # graph B updates in place across a graph break): what B keeps, A's captures own
+        kept_outputs = [(i, w) for i in _distinct_tensors(args, (*self._slots.static, *self._slots.mutated))
+                        if (w := watches_of(args[i]))]  # type: ignore[arg-type]
+        kept_before = [references(args[i]) for i, _ in kept_outputs]  # type: ignore[arg-type]
         cap = record(self._fn, self.name, self._spec, self._policy, self._slots, key, args,
                      device, self._pool_for(device), self._replay_closure, as_call,
                      self._mirrored, self._adoptable(reason), new_tensor)
@@ -620,26 +536,27 @@ class GraphedCallable:
         cap.own_refs = [(i, sys.getrefcount(args[i]) - refs,
                          storage_uses(args[i]) - uses)  # type: ignore[arg-type]
                         for i, (refs, uses) in zip(statics, before, strict=True)]
-        kept = [(sys.getrefcount(args[i]) - refs, storage_uses(args[i]) - uses)  # type: ignore[arg-type]
-                for (i, _), (refs, uses) in zip(lenders, lent_before, strict=True)]
-        cap.keeps([h.lend(args[i], refs, uses)  # type: ignore[arg-type]
-                   for (i, h), (refs, uses) in zip(lenders, kept, strict=True)])
+        kept = [tuple(n - b for n, b in zip(references(args[i]), before_i, strict=True))  # type: ignore[arg-type]
+                for (i, _), before_i in zip(kept_outputs, kept_before, strict=True)]
+        cap.keeps([owned_by_capture(args[i], counts, w)  # type: ignore[arg-type]
+                   for (i, w), counts in zip(kept_outputs, kept, strict=True)])
         if replacing is not None:
             replacing.release()
         self.events.append(CaptureEvent(key, reason))
         self._counters.count_capture(reason, self._total)
         logger.info("%s: captured graph key %s (%s)", self.name, key, reason)
-        if cap.holds is not None:
-            cap.holds.settle()  # nothing outside the capture holds its outputs yet
+        if cap.watch is not None:
+            cap.watch.settle()  # nothing outside the capture holds its outputs yet
         if as_call:
             # the capture's run was this call: its writes stay, its outputs are returned cloned
             assert cap.plan is not None
             return cap.plan.own(args)
         if result is not _NO_RESULT:
-            note_result(result)  # the warmup's result is the call's, as a replay's would be
+            # the warmup's result is the call's, as a replay's would be
+            self._ledger_of(device).note_returned([result])
             return result
         result = cap.replay(args)
-        if result is _MISS:
+        if result is MISS:
             raise CaptureError(f"internal: {self.name}'s fresh capture of key {key} refused its call")
         cap.replayed[0] = False  # that replay was this call's own
         return result
@@ -681,7 +598,12 @@ class GraphedCallable:
             in_place.update(i for i in slots.user if i not in cap.mirrored)
         declared = self._output_spec.aliases_input if self._output_spec is not None else ()
         return output_plan(cap.outputs, self.name, cap.args, slots.user, cap.buffers, in_place,
-                           declared, self._policy.clone_output)
+                           declared, self._policy.clone_output, self._ledger_of(cap.graph.device))
+
+    def _ledger_of(self, device: torch.device) -> OutputLedger:
+        if self._ledger is None:
+            self._ledger = ledger_for(self._pool_for(device))
+        return self._ledger
 
     # ---- fallback, pools, bookkeeping ---------------------------------------------------
     def _fall_back(self, reason: str) -> None:
@@ -812,14 +734,6 @@ def _renewed(c: Capture, static: Sequence[int]) -> dict[int, int]:
     return {i: c.addresses[i] for i in static if id(c.args[i]) in new}
 
 
-def _noting_replays(replayed: list[bool], replay: Callable[[], None]) -> Callable[[], None]:
-    def noted() -> None:
-        replayed[0] = True
-        replay()
-
-    return noted
-
-
 def _distinct_tensors(args: Args, indices: Sequence[int]) -> list[int]:
     """The indices of the tensors among ``args[indices]``, each tensor object once."""
     seen: set[int] = set()
@@ -830,35 +744,6 @@ def _distinct_tensors(args: Args, indices: Sequence[int]) -> list[int]:
             seen.add(id(a))
             out.append(i)
     return out
-
-
-def _tensor_picker(indices: Sequence[int]) -> Callable[[Args], tuple[torch.Tensor, ...]] | None:
-    """``picker`` for inputs the InputSpec makes tensors (checked before any capture)."""
-    return cast("Callable[[Args], tuple[torch.Tensor, ...]] | None", picker(indices))
-
-
-def _equal(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
-    """Constant inputs equal (identical, or ``==`` where that answers a plain bool)."""
-    try:
-        return bool(a == b)
-    except Exception:  # an object whose == is elementwise or refuses (numpy arrays)
-        return all(x is y for x, y in zip(a, b, strict=True))
-
-
-@functools.cache
-def _checked_ptrs_equal() -> Callable[[list[object], list[int | None], list[int]], bool] | None:
-    """torch's C++ address check where it exists and answers as we read it; None otherwise."""
-    equal = _compat.data_ptrs_at_indices_equal()
-    if equal is None:
-        return None
-    a, b = torch.zeros(1), torch.zeros(1)
-    try:
-        right = equal([a, 0, b], [a.data_ptr(), None, b.data_ptr()], [0, 2]) and not equal(
-            [a, 0, a], [a.data_ptr(), None, b.data_ptr()], [0, 2]
-        )
-    except (TypeError, RuntimeError):
-        return None
-    return equal if right else None
 
 
 _POLICY_NAMES = tuple(f.name for f in dataclasses.fields(CapturePolicy))

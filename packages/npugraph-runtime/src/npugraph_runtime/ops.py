@@ -37,6 +37,7 @@ import torch
 from npugraph_runtime._compat import mark_side_effectful
 from npugraph_runtime.core_limit import current_core_limit, limit_core_num
 from npugraph_runtime.devices import backend_for
+from npugraph_runtime.devices.base import provide_scope_exits
 from npugraph_runtime.errors import NpugraphError
 
 # the scope keys are re-exported: ``npugraph_runtime.ops.USER_STREAM_LABEL`` & co. stay where they were
@@ -157,6 +158,10 @@ def exit_scopes(depth: int) -> None:
     """Exit this thread's innermost scopes until ``depth`` are left (after an error inside them)."""
     while len(_stack.scopes) > depth:
         _scope_exit()
+
+
+# the CPU replay exits these scopes when it raises inside them (devices/base.py's seam)
+provide_scope_exits(scope_depth, exit_scopes)
 
 
 def _record() -> torch.Tensor:

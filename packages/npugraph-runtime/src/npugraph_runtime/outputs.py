@@ -1,55 +1,21 @@
 """What a replay hands back: the output plan of one capture (which outputs are the caller's own
 inputs, views of a user buffer rebuilt on the caller's tensor, clones, or the capture's static
-tensors), and the cheap test of whether the static outputs of the previous replay are still held.
-
-A static output is held when a Python reference to the tensor object we returned exists outside
-the capture (its refcount is above the one counted when nothing was handed out yet) or when any
-tensor still uses its storage (a view, an ``untyped_storage()``: the storage's use count is above
-the settled one). Both are C-level counters read in one call each, so the test costs a few
-hundred nanoseconds and never scans Python objects."""
+tensors). Whether the caller still holds a static output is the output ledger's (ledger.py)."""
 
 from __future__ import annotations
 
 import dataclasses
-import sys
-import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from npugraph_runtime import _compat
 from npugraph_runtime.errors import CaptureError
 from npugraph_runtime.inputs import storage_ptr
+from npugraph_runtime.ledger import OutputLedger, OutputWatch
 
 Args = tuple[object, ...]
 Builder = Callable[[Args], object]
-
-
-# Storage address -> a tensor some capture handed (or will hand) to its caller: a static output, or
-# a first call's own result. Under clone_input=False such a tensor (one graph's result fed to the
-# next graph across a graph break) must not become a capture's buffer, since refilling that buffer
-# would overwrite a result the caller may hold. Written at capture only, never on a replay.
-_RESULTS: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
-
-
-def _note_results(tensors: Sequence[object]) -> None:
-    for t in tensors:
-        if isinstance(t, list | tuple):
-            _note_results(t)
-        elif isinstance(t, torch.Tensor) and (ptr := storage_ptr(t)):
-            _RESULTS[ptr] = t
-
-
-def note_result(out: object) -> None:
-    """Note the tensors of a call's result that did not come from a replay (a warmup's)."""
-    _note_results(out if isinstance(out, list | tuple) else [out])
-
-
-def is_result(t: torch.Tensor) -> bool:
-    """``t`` shares its storage with a tensor a capture returned to its caller."""
-    ptr = storage_ptr(t)
-    return bool(ptr) and ptr in _RESULTS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,83 +31,16 @@ class _BufferView:
     buffer_stride: tuple[int, ...]
 
 
-class Holds:
-    """The objects and storages of a capture's static outputs that a caller may keep, and their
-    reference counts when nothing outside the capture holds them (``settle`` before the first
-    hand-out). The replay closure compares ``counts()``, inlined, with ``base``."""
-
-    __slots__ = ("__weakref__", "base", "cdatas", "objects", "storages", "use_count")
-
-    def __init__(self, objects: list[object], storages: list[torch.UntypedStorage]) -> None:
-        self.objects = objects
-        self.storages = storages  # kept alive here: their use count includes this reference
-        self.cdatas: list[int] = [s._cdata for s in storages]
-        self.use_count = _compat.storage_use_count()
-        self.base: tuple[list[int], list[int]] = ([], [])
-        for cdata in self.cdatas:
-            _LENDERS[cdata] = self
-
-    def counts(self) -> tuple[list[int], list[int]]:
-        return list(map(sys.getrefcount, self.objects)), list(map(self.use_count, self.cdatas))
-
-    def settle(self) -> None:
-        self.base = self.counts()
-
-    def lend(self, t: torch.Tensor, refs: int, uses: int) -> Callable[[], None]:
-        """Another capture keeps ``t`` (one of these outputs, or a view of one) as its own input
-        and holds ``refs`` references to it and ``uses`` uses of its storage: count them as
-        not the caller's. Graph B that updates graph A's result in place across a graph break
-        (``res.add_(...)`` in a layer's second half) keeps it: without this A would see its
-        output held on every call and make a capture each call, and B, seeing a new address,
-        one more. Returns the undo, to be called before B lets go of them (a count below the
-        settled one reads as held, the safe side; one above must never happen)."""
-        at_object = next((k for k, o in enumerate(self.objects) if o is t), None)
-        at_storage = self.cdatas.index(t.untyped_storage()._cdata)
-        _shift(self, at_object, refs, at_storage, uses)
-        lender = weakref.ref(self)
-        done = [False]
-
-        def undo() -> None:
-            holds = lender()
-            if holds is not None and not done[0]:
-                done[0] = True
-                _shift(holds, at_object, -refs, at_storage, -uses)
-
-        return undo
-
-
-def _shift(holds: Holds, at_object: int | None, refs: int, at_storage: int, uses: int) -> None:
-    objects, storages = holds.base
-    if at_object is not None and at_object < len(objects):
-        objects[at_object] += refs
-    if at_storage < len(storages):
-        storages[at_storage] += uses
-
-
-# A static output's storage (its C++ address) -> the Holds of the capture that hands it out,
-# for a later capture that keeps such a tensor as its input (Holds.lend)
-_LENDERS: weakref.WeakValueDictionary[int, Holds] = weakref.WeakValueDictionary()
-
-
-def lender(t: torch.Tensor) -> Holds | None:
-    """The Holds of the capture whose static output ``t`` is, or views; None for any other."""
-    try:
-        cdata = t.untyped_storage()._cdata
-    except (RuntimeError, NotImplementedError):  # a wrapper subclass without storage
-        return None
-    return _LENDERS.get(cdata)
-
-
 @dataclasses.dataclass
 class OutputPlan:
     """``result`` is returned as is when ``build`` is None; else ``build(args)`` makes each
-    call's result. ``holds`` is None when no static output of the capture reaches the caller."""
+    call's result. ``watch`` is None when no static output of the capture reaches the caller."""
 
     result: object
     build: Builder | None
-    holds: Holds | None
+    watch: OutputWatch | None
     # the flat outputs, kept for as long as the capture: every Python reference to a static
-    # output made here lives as long as the plan, so the settled counts stay exact
+    # output made here lives as long as the plan, so the owned counts stay exact
     outs: list[object]
     # the result with every static output cloned too (nothing a replay overwrites): the call's
     # result when it is the capture's own run
@@ -157,6 +56,7 @@ def output_plan(
     in_place: set[int],
     declared: Sequence[int | None],
     clone_output: bool,
+    ledger: OutputLedger,
 ) -> OutputPlan:
     """What a replay returns: a fixed object, or a builder when outputs alias inputs or are
     cloned. An output that is exactly an input (per ``declared``, or found at capture) is
@@ -206,8 +106,8 @@ def output_plan(
     static_singles, static_groups = _clone_groups(outs, static)
     fixed = isinstance(out, torch.Tensor) or structure is None
     returned_as_is = fixed and not alias and not clone and not views
-    holds = _holds(outs, static, out if returned_as_is and type(out) is tuple else None)
-    _note_results([outs[p] for p in static])
+    watch = ledger.watch([outs[p] for p in static],  # type: ignore[misc]
+                         out if returned_as_is and type(out) is tuple else None)
 
     def place(res: list[object], args: Args) -> None:
         for p, j in alias:
@@ -237,7 +137,7 @@ def output_plan(
         for group in static_groups:
             for p, t in zip(group, clone_together([res[p] for p in group]), strict=True):  # type: ignore[misc]
                 res[p] = t
-        _note_results([res[p] for p in (*static, *clone)])
+        ledger.note_returned([res[p] for p in (*static, *clone)])
         return res
 
     if fixed:
@@ -249,13 +149,13 @@ def output_plan(
             return res[0] if single else tuple(res)
 
         if returned_as_is:
-            return OutputPlan(out, None, holds, outs, own_flat)
+            return OutputPlan(out, None, watch, outs, own_flat)
 
         def build_flat(args: Args) -> object:
             res = fresh(args)
             return res[0] if single else tuple(res)
 
-        return OutputPlan(None, build_flat, holds, outs, own_flat)
+        return OutputPlan(None, build_flat, watch, outs, own_flat)
 
     def build(args: Args) -> object:
         # lists are rebuilt every call: a caller appending to one never changes the next result
@@ -264,20 +164,7 @@ def output_plan(
     def own(args: Args) -> object:
         return unflatten(structure, iter(owned(args)))
 
-    return OutputPlan(None, build, holds, outs, own)
-
-
-def _holds(outs: Sequence[object], static: Sequence[int], container: object | None) -> Holds | None:
-    if not static:
-        return None
-    objects: list[object] = [outs[p] for p in static]
-    if container is not None:
-        objects.append(container)
-    storages: dict[int, torch.UntypedStorage] = {}
-    for p in static:
-        st = outs[p].untyped_storage()  # type: ignore[attr-defined]
-        storages.setdefault(int(st.data_ptr()) or -1 - p, st)
-    return Holds(objects, list(storages.values()))
+    return OutputPlan(None, build, watch, outs, own)
 
 
 # The nesting of fn's result: None for a leaf, else (is_list, children). A flat tuple's

@@ -54,6 +54,8 @@ class AcceleratorGraph:
     every tensor the graph reads or writes stays alive, at the same address, until ``reset()``.
     """
 
+    capture_computes = False  # a capture launches nothing
+
     def __init__(self, backend: AcceleratorBackend, device: torch.device,
                  *, use_accelerator_graph: bool | None = None) -> None:
         self.device = backend.normalize(device)
@@ -145,6 +147,8 @@ class AcceleratorGraph:
 
 class AcceleratorBackend:
     """DeviceBackend and StreamBackend of one torch device module ("cuda" or "npu")."""
+
+    capture_computes = False
 
     def __init__(self, module_name: str, *, module: Any = None) -> None:
         """``module``: the torch device module to drive instead of ``torch.<module_name>`` (a

@@ -6,8 +6,9 @@ picks one per ``torch.device``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeGuard, runtime_checkable
+from typing import Any, Protocol, TypeGuard, cast, runtime_checkable
 
 import torch
 
@@ -49,6 +50,9 @@ def is_raw_pool_id(obj: object) -> TypeGuard[tuple[int, int]]:
 @runtime_checkable
 class DeviceGraph(Protocol):
     device: torch.device
+    # whether the capture computes what an eager run does (the CPU's records the ops it runs; an
+    # accelerator's capture launches nothing): then it is a ComputingGraph too
+    capture_computes: bool
 
     def capture_begin(self, pool: PoolHandle | None = None, capture_error_mode: str = "global") -> None: ...
 
@@ -61,10 +65,39 @@ class DeviceGraph(Protocol):
     def pool(self) -> PoolHandle: ...
 
 
+class ComputingGraph(DeviceGraph, Protocol):
+    """A device graph whose capture computes (``capture_computes``): its run can be a call's, so
+    it says which writes of that run stay and which collectives it launches."""
+
+    # a successful capture keeps its writes to storages that existed before it
+    keep_writes: bool
+    # the capture's run launches the collectives it records (else they only stand in locally)
+    launch_collectives: bool
+    # keep what launched collectives left (``launched()``) for a capture made again to take
+    # (``relaunch``) instead of launching them twice
+    keep_launched: bool
+    relaunch: list[Any]
+
+    def launched(self) -> list[Any]: ...
+
+    def stop_launching(self) -> None: ...
+
+    def undo_writes(self) -> None: ...
+
+    def drop_undo(self) -> None: ...
+
+
+def computing(g: DeviceGraph) -> ComputingGraph | None:
+    """``g`` as a ComputingGraph where its capture computes, else None."""
+    return cast(ComputingGraph, g) if g.capture_computes else None
+
+
 class DeviceBackend(Protocol):
     """What the runtime needs from one kind of device."""
 
     type: str
+    # whether its graphs' captures compute (DeviceGraph.capture_computes)
+    capture_computes: bool
 
     def new_graph(self, device: torch.device) -> DeviceGraph: ...
 
@@ -99,3 +132,19 @@ class StreamBackend(Protocol):
     def set_stream(self, stream: Any) -> None: ...
 
     def new_event(self, device: torch.device) -> Any: ...
+
+
+# The scope ops (streams, core limits) live above the device layer (ops.py). A CPU replay that
+# raises inside such a scope exits the scopes it entered, as eager code's ``with`` would; it reads
+# how through this seam, which ops.py fills when imported (a graph can record a scope marker only
+# once ops.py has defined it).
+_SCOPE_EXITS: list[tuple[Callable[[], int], Callable[[int], None]]] = []
+
+
+def provide_scope_exits(depth: Callable[[], int], exit_to: Callable[[int], None]) -> None:
+    """``depth()``: the scopes this thread has entered; ``exit_to(n)``: exit until n are left."""
+    _SCOPE_EXITS[:] = [(depth, exit_to)]
+
+
+def scope_exits() -> tuple[Callable[[], int], Callable[[int], None]] | None:
+    return _SCOPE_EXITS[0] if _SCOPE_EXITS else None

@@ -66,6 +66,8 @@ _CAPTURING = _Capturing()
 class CpuGraph:
     """A device graph on the CPU (see the module docstring for what the user must guarantee)."""
 
+    capture_computes = True  # the recorder runs every op it records
+
     def __init__(self, device: torch.device | str | None = None) -> None:
         if device is not None and torch.device(device).type != "cpu":
             raise DeviceError(f"CpuGraph got device={device!r}; it captures 'cpu' only")
@@ -182,6 +184,10 @@ class CpuGraph:
         self._claims = weakref.finalize(self, self._pool.release, blocks)
         self._tensors = recorder.tensors
         self._replay, self._issued = generate(recorder.steps, recorder.tensors, dead)
+        # the recording's Python storage objects go now, not when the collector finds the
+        # recorder: a reference to one of them is how a caller keeping only
+        # ``out.untyped_storage()`` is seen (ledger.py), so none may go away later
+        recorder.storages.clear()
 
     def stop_launching(self) -> None:
         """The capture in progress records the collectives still to come without launching them
@@ -311,6 +317,7 @@ class CpuBackend:
     """DeviceBackend and StreamBackend of the CPU."""
 
     type = "cpu"
+    capture_computes = True
 
     def new_graph(self, device: torch.device) -> CpuGraph:
         return CpuGraph(device)

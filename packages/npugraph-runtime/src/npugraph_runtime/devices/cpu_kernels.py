@@ -4,21 +4,30 @@ For a functional op the candidates are: the public Python binding with ``out=``
 (``torch.add(a, b, out=c)``), the ``.out`` overload's operator handle, and computing the result
 (with the public binding or the op itself) then ``copy_`` into the recorded output. A candidate
 is kept only when, on the capture's own inputs, it gives a bitwise-identical result (NaN-aware;
-same dtype, shape and strides) without raising or warning; each kept one is timed, and the replay
-uses the cheapest given which outputs later ops actually read (the public binding with ``out=``
-over the ``.out`` overload's handle where both verify: one kernel, a shorter call). The op
-itself followed by a copy is always available. Ops whose result is a copy of one input (``clone``, ``_to_copy``, ``copy``)
-have one more candidate, ``out.copy_(input)``: one pass over the data, where ``clone.out`` clones
-and then copies. In-place ops are re-issued as a bound ``Tensor`` method when that verifies, else
-as the op itself.
+same dtype, shape and strides) without raising or warning. Among the kept ones the replay uses the
+first by a fixed rule (``RULE``), never by timing, so what a replay issues does not depend on the
+machine's load at capture:
+
+1. ``copy_into`` (ops whose result is a copy of one input: ``clone``, ``_to_copy``, ``copy``):
+   ``out.copy_(input)``, one pass over the data, where ``clone.out`` clones and then copies;
+2. the public binding with ``out=`` (one kernel writing the recorded output, no allocation, the
+   shortest call path: Python's argument parser, not the schema's stack);
+3. the ``.out`` overload's operator handle (the same kernel by a longer call);
+4. the public binding computing a fresh result, copied into place (about 1 µs less per call
+   than the op's handle);
+5. the op itself, copied into place: always available, the reference the others are checked
+   against.
+
+In-place ops are re-issued as a bound ``Tensor`` method when that verifies, else as the op itself.
 
 Decisions are kept per op and argument layout (``_DECIDED``): a later capture of the same
-signature re-times nothing and verifies only the candidates that can still win, on its own data.
+signature verifies, on its own data, the candidates in rule order until one passes.
 A ``DecisionJournal`` exports, as plain data, the decisions the captures of one thread used while
 it was open (what one cache entry's first call decided); ``seed_kernel_decisions`` imports them,
 possibly in another process.
 
-A seeded decision is used without running its kernels again only when it is ``trusted``: the
+A seeded decision (the candidates that verified where it was made) is used without running its
+kernels again only when it is ``trusted``: the
 caller vouches that the data is authentic (npugraph_ex's cache passes only entries whose HMAC
 verified with this user's key) and the process matches the one that decided: the same torch
 build, CPU capability, intra-op threads and numerics flags (``environment()``), and, per op, the
@@ -33,10 +42,9 @@ from __future__ import annotations
 import enum
 import platform
 import threading
-import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cache, partial
 from operator import itemgetter
 from typing import Any
@@ -170,34 +178,24 @@ def _quietly(fn: Callable[[], object]) -> bool:
     return not caught
 
 
+# The order in which verified candidates are preferred, by label (see the module docstring).
+RULE = ("copy_into", "out_public", "out_overload", "binding", "op")
+
+
 @dataclass(frozen=True)
 class Candidate:
-    """One verified way to re-issue a functional op, and what one call cost at capture time.
-    COPY candidates return the result; the replay copies the outputs it needs into place.
-    COPY_INTO: ``call(args)`` is the input whose copy the result is. ``label`` names the
-    candidate in exported decisions."""
+    """One way to re-issue a functional op. COPY candidates return the result; the replay copies
+    the outputs it needs into place. COPY_INTO: ``call(args)`` is the input whose copy the result
+    is. ``label`` names the candidate in exported decisions and places it in ``RULE``."""
 
     kind: Kind
     call: Callable[..., Any]
     out_names: tuple[str, ...] = ()
-    cost_ns: int = 0
     label: str = ""
 
-
-_SLOW_NS = 200_000  # one call this slow is timed once: capture of big models stays quick
-
-
-def _cost_ns(fn: Callable[[], object], first_ns: int | None = None) -> int:
-    """The fastest of a few calls; ``first_ns``: a call already timed (the verification run)."""
-    best = first_ns
-    for _ in range(2 if first_ns is None else 1):
-        if best is not None and best > _SLOW_NS:
-            break
-        start = time.perf_counter_ns()
-        fn()
-        elapsed = time.perf_counter_ns() - start
-        best = elapsed if best is None else min(best, elapsed)
-    return best or 0
+    @property
+    def rank(self) -> int:
+        return RULE.index(self.label) if self.label in RULE else len(RULE)
 
 
 def _leaf(value: Any, path: tuple[int, ...]) -> Any:
@@ -224,17 +222,14 @@ def _runner(
     return partial(c.call, *args, **kwargs, **dict(zip(c.out_names, scratch, strict=True))), scratch
 
 
-def _verified(
-    c: Candidate, args: Sequence[Any], kwargs: dict[str, Any], outs: Outs
-) -> tuple[bool, Callable[[], Any], int]:
-    """Whether ``c`` gives the op's results bitwise; its runner and how long the check's call took."""
+def _verified(c: Candidate, args: Sequence[Any], kwargs: dict[str, Any], outs: Outs) -> bool:
+    """Whether ``c`` gives the op's results bitwise on this capture's data."""
+    if c.label == "op":  # the op itself is the reference: it needs no check
+        return True
     run, scratch = _runner(c, args, kwargs, outs)
     result: list[Any] = []
-    start = time.perf_counter_ns()
-    quiet = _quietly(lambda: result.append(run()))
-    elapsed = time.perf_counter_ns() - start
-    if not quiet:
-        return False, run, elapsed
+    if not _quietly(lambda: result.append(run())):
+        return False
     if c.kind is Kind.COPY:
         ok = all(
             isinstance(got := _leaf(result[0], p), torch.Tensor) and same_result(got, t)
@@ -242,7 +237,7 @@ def _verified(
         )
     else:
         ok = all(same_result(s, t) for s, (_, t) in zip(scratch, outs, strict=True))
-    return ok, run, elapsed
+    return ok
 
 
 def _signature(value: Any) -> Any:
@@ -261,25 +256,24 @@ _COPY_SOURCE = {"aten::clone": 0, "aten::_to_copy": 0, "aten::lift_fresh_copy": 
 
 @dataclass(frozen=True)
 class Decision:
-    """What the first capture of one op signature found: its verified candidates with their
-    costs, and the cost of copying each output. ``trusted``: seeded from an authenticated entry
-    made in this environment (see the module docstring); its candidates are not run again."""
+    """What the first capture of one op signature found: its candidates in rule order, the
+    first of which verified there. ``trusted``: seeded from an authenticated entry made in this
+    environment (see the module docstring); its candidates are not run again."""
 
     candidates: tuple[Candidate, ...]
-    copy_costs: tuple[int, ...]
     trusted: bool = False
 
 
 # Decisions by (op, argument layouts and constants, copy_only): a model's repeated layers and
-# later captures are timed once. Every capture still verifies, on its own data, the candidates
-# that can be picked.
+# later captures try the candidates that verified before first. Every capture still verifies,
+# on its own data, the candidate it picks.
 _DECIDED: dict[Any, Decision] = {}
 _DECIDED_MAX = 4096
 # Decisions imported with seed_kernel_decisions, by the text of their key, until first used:
-# (labels with costs, copy costs, the intra-op threads a trusted seed holds for, or None).
-_SEEDED: dict[str, tuple[tuple[tuple[str, int], ...], tuple[int, ...], int | None]] = {}
-# How captures got their decisions in this process: "decided" (every candidate verified and
-# timed), "rechecked" (a known decision, its pickable candidates verified), "trusted" (a trusted
+# (labels, the intra-op threads a trusted seed holds for, or None).
+_SEEDED: dict[str, tuple[tuple[str, ...], int | None]] = {}
+# How captures got their decisions in this process: "decided" (candidates verified in rule
+# order), "rechecked" (a known decision, verified again on this data), "trusted" (a trusted
 # seed, nothing run again).
 DECISION_COUNTS: dict[str, int] = {"decided": 0, "rechecked": 0, "trusted": 0}
 
@@ -313,9 +307,7 @@ class DecisionJournal:
         _OPEN.journals = tuple(j for j in _OPEN.journals if j is not self)
         used, self._used = self._used, {}
         return {"environment": environment(), "decisions": {
-            text: {"candidates": [[c.label, c.cost_ns] for c in d.candidates],
-                   "copy_costs": list(d.copy_costs)}
-            for text, d in used.items()
+            text: _record(d) for text, d in used.items()
         }}
 
 
@@ -357,7 +349,7 @@ def _flush_denormal() -> bool:
 
 
 def _possible(func: Any, op: Callable[..., Any], outs: Outs, copy_only: bool) -> list[Candidate]:
-    """Every way ``func`` could be re-issued, unverified and untimed; the op itself first."""
+    """Every way ``func`` could be re-issued, unverified; the op itself first."""
     possible = [Candidate(Kind.COPY, op, label="op")]
     binding = public_binding(func.namespace, _compat.op_base_name(func))
     if binding is not None:
@@ -391,82 +383,41 @@ def _decide(
     func: Any, op: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], outs: Outs,
     copy_only: bool,
 ) -> Decision:
-    """Verify every candidate on this capture's data and time the ones that pass."""
-    found = []
-    for c in _possible(func, op, outs, copy_only):
-        if c.call is op:  # the op itself is the reference: it needs no check
-            found.append(replace(c, cost_ns=_cost_ns(partial(op, *args, **kwargs))))
-            continue
-        ok, run, first = _verified(c, args, kwargs, outs)
-        if ok:
-            found.append(replace(c, cost_ns=_cost_ns(run, first)))
-    costs = [_cost_ns(partial(scratch_like(t).copy_, t)) for _, t in outs]
-    return Decision(tuple(_binding_first(found)), tuple(costs))
-
-
-def _binding_first(found: list[Candidate]) -> list[Candidate]:
-    """The public binding runs the same kernel as the overload's handle by a shorter call path
-    (Python's argument parser, not the schema's stack): with ``out=``, 2-7 µs less per op when
-    the caches are cold, as between the GEMMs of a decode step, where a warm timing at capture
-    cannot tell them apart; computing a fresh result (sdpa), about 1 µs less. Where both
-    verified, the binding gets the lower of their costs and comes first, so ties pick it."""
-    overloads = [c.cost_ns for c in found if c.kind is Kind.OUT_OVERLOAD]
-    ops = [c.cost_ns for c in found if c.kind is Kind.COPY and c.label == "op"]
-
-    def rivals(c: Candidate) -> list[int]:
-        if c.kind is Kind.OUT_PUBLIC:
-            return overloads
-        return ops if c.kind is Kind.COPY and c.label == "binding" else []
-
-    kept = [replace(c, cost_ns=min(c.cost_ns, *rivals(c))) if rivals(c) else c for c in found]
-    # stable: the fresh-result binding moves before the op (the out= binding is already before
-    # the out= overload)
-    return sorted(kept, key=lambda c: not (c.kind is Kind.COPY and c.label == "binding"))
+    """Every candidate that verifies on this capture's data, in rule order."""
+    found = [c for c in _possible(func, op, outs, copy_only) if _verified(c, args, kwargs, outs)]
+    return Decision(tuple(sorted(found, key=lambda c: c.rank)))
 
 
 def _recheck(
     decision: Decision, op: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
     outs: Outs,
 ) -> list[Candidate]:
-    """The candidates of a known decision that ``cheapest`` can still pick, each verified on
-    this capture's data: the cheapest out= kind that verifies, and the cheapest compute-and-copy
-    that verifies unless even one output copy makes it dearer than that out= kind. The op itself
-    needs no check and is always reachable, so the result is never empty."""
-    kept: list[Candidate] = []
-    by_cost = sorted(decision.candidates, key=lambda c: c.cost_ns)
-    for c in by_cost:
-        if c.kind is not Kind.COPY and _verified(c, args, kwargs, outs)[0]:
-            kept.append(c)
-            break
-    least_copy = min(decision.copy_costs, default=0)
-    for c in by_cost:
-        if c.kind is not Kind.COPY:
-            continue
-        if kept and _copy_kind_cost(c.cost_ns, least_copy) >= kept[0].cost_ns:
-            break  # this and every dearer compute-and-copy loses to the out= kind
-        if c.call is op or _verified(c, args, kwargs, outs)[0]:
-            kept.append(c)
-            break
-    return kept
+    """The first candidate of a known decision that verifies on this capture's data (the op
+    itself needs no check, so the result is never empty)."""
+    for c in decision.candidates:
+        if _verified(c, args, kwargs, outs):
+            return [c]
+    return [Candidate(Kind.COPY, op, label="op")]
 
 
 def out_candidates(
     func: Any, args: Sequence[Any], kwargs: dict[str, Any], outs: Outs, copy_only: bool = False
-) -> tuple[list[Candidate], list[int]]:
-    """The verified candidates for a functional op whose fresh results ``outs`` (path into the
-    result, tensor) were just computed from ``args``, and the cost of copying each output.
-    ``copy_only``: the results alias inputs or each other, so out= kernels do not fit."""
+) -> list[Candidate]:
+    """The candidates for a functional op whose fresh results ``outs`` (path into the result,
+    tensor) were just computed from ``args`` that verified on them, in rule order: the replay
+    issues the first. ``copy_only``: the results alias inputs or each other, so out= kernels do
+    not fit."""
     op = _compat.op_entry(func)
     if func.namespace not in ("aten", "prims"):
         # a custom op may have effects its schema does not show: run it once per replay, never
-        # again at capture to time it
-        return [Candidate(Kind.COPY, op, label="op")], [0] * len(outs)
+        # again at capture to check another kernel
+        return [Candidate(Kind.COPY, op, label="op")]
     key: Any = (func, _signature(args), _signature(kwargs), copy_only)
     try:
         decision = _DECIDED.get(key)
     except TypeError:  # an unhashable constant: decide every time
         DECISION_COUNTS["decided"] += 1
-        return _as_lists(_decide(func, op, args, kwargs, outs, copy_only))
+        return list(_decide(func, op, args, kwargs, outs, copy_only).candidates)
     if decision is None and _SEEDED:
         decision = _from_seed(key, func, op, outs, copy_only)
     if decision is None:
@@ -481,12 +432,12 @@ def out_candidates(
     for journal in _OPEN.journals:
         journal.note(key, decision)
     if how == "rechecked":
-        return _recheck(decision, op, args, kwargs, outs), list(decision.copy_costs)
-    return _as_lists(decision)
+        return _recheck(decision, op, args, kwargs, outs)
+    return list(decision.candidates)
 
 
-def _as_lists(decision: Decision) -> tuple[list[Candidate], list[int]]:
-    return list(decision.candidates), list(decision.copy_costs)
+def _record(decision: Decision) -> dict[str, Any]:
+    return {"candidates": [c.label for c in decision.candidates]}
 
 
 def _from_seed(
@@ -495,38 +446,31 @@ def _from_seed(
     seeded = _SEEDED.pop(_key_text(key), None)
     if seeded is None:
         return None
-    labels, copy_costs, threads = seeded
+    labels, threads = seeded
     by_label = {c.label: c for c in _possible(func, op, outs, copy_only)}
-    if len(copy_costs) != len(outs) or any(label not in by_label for label, _ in labels):
+    if any(label not in by_label for label in labels):
         return None  # made by another torch or another version of this module: decide afresh
-    candidates = [replace(by_label[label], cost_ns=cost) for label, cost in labels]
+    candidates = [by_label[label] for label in labels]
     if not any(c.call is op for c in candidates):
         candidates.append(by_label["op"])
     # the thread count may have changed since the seed was taken: checked again here
     trusted = threads is not None and threads == torch.get_num_threads()
-    decision = Decision(tuple(_binding_first(candidates)), copy_costs, trusted)
+    decision = Decision(tuple(sorted(candidates, key=lambda c: c.rank)), trusted)
     _DECIDED[key] = decision
     return decision
 
 
 def kernel_decisions() -> dict[str, dict[str, list[Any]]]:
-    """The decisions made in this process, as plain data (str, int, lists): key text ->
-    {"candidates": [[label, cost_ns], ...], "copy_costs": [...]}. A cache entry stores what a
-    ``DecisionJournal`` noted instead: only its own captures' decisions."""
-    out: dict[str, dict[str, list[Any]]] = {}
-    for key, d in list(_DECIDED.items()):
-        out[_key_text(key)] = {
-            "candidates": [[c.label, c.cost_ns] for c in d.candidates],
-            "copy_costs": list(d.copy_costs),
-        }
-    return out
+    """The decisions made in this process, as plain data (str, lists): key text ->
+    {"candidates": [label, ...]} (the candidates that verified, in rule order). A cache entry
+    stores what a ``DecisionJournal`` noted instead: only its own captures' decisions."""
+    return {_key_text(key): _record(d) for key, d in list(_DECIDED.items())}
 
 
 def seed_kernel_decisions(decisions: dict[str, Any], trusted: bool = False) -> int:
     """Import decisions exported by a ``DecisionJournal`` (``{"environment": ..., "decisions":
     {...}}``) or by ``kernel_decisions`` (the bare mapping), possibly in another process:
-    captures of those signatures skip the timing, and what they pick is still verified on
-    their own data, unless ``trusted`` (the caller vouches the data is authentic) and the
+    captures of those signatures verify only the candidates the seed names, on their own data, unless ``trusted`` (the caller vouches the data is authentic) and the
     export's environment is this process's (see the module docstring). Returns how many were
     taken; malformed records raise ValueError naming the record."""
     if not isinstance(decisions, dict):
@@ -544,39 +488,22 @@ def seed_kernel_decisions(decisions: dict[str, Any], trusted: bool = False) -> i
     taken = 0
     for text, record in decisions.items():
         try:
-            labels = tuple((str(label), int(cost)) for label, cost in record["candidates"])
-            copy_costs = tuple(int(c) for c in record["copy_costs"])
-        except (KeyError, TypeError, ValueError) as exc:
+            # an entry written before the choice followed RULE has [label, cost_ns] pairs
+            labels = tuple(str(c[0]) if isinstance(c, list | tuple) else str(c)
+                           for c in record["candidates"])
+        except (KeyError, TypeError, IndexError) as exc:
             raise ValueError(
                 f"seed_kernel_decisions: record {text!r} is not of the form "
-                f"{{'candidates': [[label, cost_ns], ...], 'copy_costs': [int, ...]}}: {exc}"
+                f"{{'candidates': [label, ...]}}: {exc}"
             ) from None
-        _SEEDED[str(text)] = (labels, copy_costs, threads)
+        _SEEDED[str(text)] = (labels, threads)
         taken += 1
     return taken
 
 
-# Compute-and-copy allocates a result every replay and copies it: it wins only when clearly
-# cheaper, since one timing of a slow op at capture is noisy.
-_COPY_MARGIN = 1.05
-
-
-def _copy_kind_cost(cost_ns: int, copies_ns: int) -> float:
-    return cost_ns * _COPY_MARGIN + copies_ns
-
-
-def cheapest(candidates: Sequence[Candidate], copy_costs: Sequence[int], needed: Sequence[bool]) -> Candidate:
-    """The candidate with the lowest cost when only the ``needed`` outputs are copied; a verified
-    ``copy_into`` always: it is one copy, the least any kernel of such an op does, and timing
-    a small copy against clone.out at capture only measures noise."""
-    for c in candidates:
-        if c.kind is Kind.COPY_INTO:
-            return c
-    copies = sum(c for c, n in zip(copy_costs, needed, strict=True) if n)
-    return min(
-        candidates,
-        key=lambda c: _copy_kind_cost(c.cost_ns, copies) if c.kind is Kind.COPY else c.cost_ns,
-    )
+def preferred(candidates: Sequence[Candidate]) -> Candidate:
+    """The verified candidate the replay issues: the first by ``RULE``."""
+    return min(candidates, key=lambda c: c.rank)
 
 
 def inplace_method_name(func: Any, args: Sequence[Any]) -> str | None:

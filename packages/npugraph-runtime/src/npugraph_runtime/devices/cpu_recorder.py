@@ -102,7 +102,6 @@ class Step:
     method: str = ""
     saved: tuple[tuple[TRef, torch.Tensor], ...] = ()  # FROZEN: values to copy back
     candidates: list[Candidate] = field(default_factory=list)  # verified ways to re-issue it
-    copy_costs: list[int] = field(default_factory=list)  # per output in ``outs``
     stream: CpuStream | None = None  # the logical stream the op was issued on
 
 
@@ -744,7 +743,7 @@ def _computes(rec: Recorder, op: _Op, step: Step) -> None:
     shared = len({rec.tensors[r.i].storage for _, r in op.fresh}) != len(op.fresh)
     # results that alias inputs or each other: out= kernels would be handed overlapping
     # outputs, so only compute-and-copy fits
-    step.candidates, step.copy_costs = out_candidates(
+    step.candidates = out_candidates(
         op.func, op.args, op.kwargs, fresh_leaves,
         copy_only=len(op.fresh) != len(op.outs) or shared,
     )

@@ -18,10 +18,12 @@ from typing import Any
 import torch
 
 from npugraph_runtime import _compat
+from npugraph_runtime.devices.base import scope_exits
 from npugraph_runtime.devices.cpu_collectives import Emitter, work_path
-from npugraph_runtime.devices.cpu_kernels import Kind, cheapest, public_binding
+from npugraph_runtime.devices.cpu_kernels import Kind, preferred, public_binding
 from npugraph_runtime.devices.cpu_recorder import Step, TensorEntry, TRef
 from npugraph_runtime.devices.cpu_streams import replays_marker
+from npugraph_runtime.errors import CaptureError
 from npugraph_runtime.spans import bytes_overlap
 
 
@@ -115,7 +117,7 @@ _Planned = tuple[Step, Kind, Any, tuple[str, ...], tuple[tuple[tuple[int, ...], 
 
 def _plan(steps: Sequence[Step], tensors: Sequence[TensorEntry], dead: set[int]) -> list[_Planned]:
     """Walk the steps backwards: drop pure ops none of whose results is used (their storages are
-    dead intermediates no later op reads), pick each remaining op's cheapest verified kernel given
+    dead intermediates no later op reads), pick each remaining op's preferred verified kernel given
     which outputs are used, and copy only those. Returns (step, kind, call, out_names, outs)."""
     read: set[int] = set()
     planned = []
@@ -129,7 +131,7 @@ def _plan(steps: Sequence[Step], tensors: Sequence[TensorEntry], dead: set[int])
             needed = [tensors[r.i].storage not in dead or tensors[r.i].storage in read for _, r in outs]
             if not any(needed):
                 continue
-            best = cheapest(step.candidates, step.copy_costs, needed)
+            best = preferred(step.candidates)
             kind, call, out_names = best.kind, best.call, best.out_names
             if kind is Kind.COPY:
                 outs = tuple(o for o, n in zip(outs, needed, strict=True) if n)
@@ -355,10 +357,11 @@ def generate(
     if any(replays_marker(step.func) for step in steps):
         # a replay that raises inside a stream or core-limit scope exits the scopes it entered,
         # as eager code's with block would (else the thread stays on that stream, or limit)
-        from npugraph_runtime import ops
-
-        names.values["scope_depth"] = ops.scope_depth
-        names.values["exit_scopes"] = ops.exit_scopes
+        exits = scope_exits()
+        if exits is None:
+            raise CaptureError("internal: a scope marker was recorded, but no layer above the "
+                               "devices provided scope exits (npugraph_runtime.ops)")
+        names.values["scope_depth"], names.values["exit_scopes"] = exits
         params = ", ".join(f"{n}={n}" for n in names.values)
         body = "\n".join(f"            {line}" for line in lines) or "            pass"
         source = (f"def replay({params}):\n    depth = scope_depth()\n    try:\n"
