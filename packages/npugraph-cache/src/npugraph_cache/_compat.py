@@ -37,6 +37,9 @@ def has_aot_compile() -> bool:
         return False
 
 
+_HOOK_GUARDS = {"skip_nnmodule_hook_guards": False}
+
+
 def aot_compile(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -44,14 +47,15 @@ def aot_compile(
     backend: Backend,
     dynamic: bool,
     value_guards: Callable[[str, str, Any], str | None] | None = None,
-    recorded: list[str] | None = None,
+    recorded: list[tuple[str, str]] | None = None,
     parameter_guards: bool = True,
     specialize_float: bool = True,
 ) -> Any:
     """Checked on torch 2.13.0: ``torch.compile(fullgraph=True).aot_compile(((args), {kwargs}))``
     traces ``fn`` once, keeps its guards, and returns an ``AOTCompiledFunction``.
 
-    ``specialize_float`` sets ``torch._dynamo.config.specialize_float``. Left False, dynamo
+    ``specialize_float`` sets ``torch._dynamo.config.specialize_float``; hook guards are on
+    (``skip_nnmodule_hook_guards=False``). Left False, dynamo
     makes Python floats graph inputs (a temperature new on every call then needs no new
     graph); where the code uses one in a way AOT's tensorify pass cannot keep symbolic
     (``math.exp(t)``, a branch on it) the pass asks for a restart with the float specialised,
@@ -65,21 +69,26 @@ def aot_compile(
 
     import torch._dynamo.config as dynamo_config
 
-    compiled = torch.compile(
-        fn,
-        fullgraph=True,
-        backend=backend,
-        dynamic=dynamic,
-        options={
-            "guard_filter_fn": functools.partial(
-                portable_guard_filter,
-                value_guards=value_guards,
-                recorded=recorded,
-                parameter_guards=parameter_guards,
-            )
-        },
-    )
-    with dynamo_config.patch(specialize_float=specialize_float):
+    # skip_nnmodule_hook_guards off (torch.compile's default, True, does not see a hook added
+    # after it compiled): a hook registered on the module or a submodule later fails the
+    # entry's guards (DICT_LENGTH of the hooks dicts) and selects or compiles another entry.
+    # torch.compile reads dynamo's config when it is called, and a load rebuilds the guards
+    # (``load_compiled``): both under the patch.
+    with dynamo_config.patch(specialize_float=specialize_float, **_HOOK_GUARDS):
+        compiled = torch.compile(
+            fn,
+            fullgraph=True,
+            backend=backend,
+            dynamic=dynamic,
+            options={
+                "guard_filter_fn": functools.partial(
+                    portable_guard_filter,
+                    value_guards=value_guards,
+                    recorded=recorded,
+                    parameter_guards=parameter_guards,
+                )
+            },
+        )
         return compiled.aot_compile((args, kwargs))  # type: ignore[attr-defined]
 
 
@@ -110,39 +119,51 @@ def is_scalar_restart(exc: BaseException) -> bool:
     return False
 
 
+# The guard kinds torch's save refuses (identities: which function, class, module or object a
+# source holds): ``CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES`` on torch 2.13.0,
+# copied rather than imported (torch._dynamo.guards is not imported by a warm start; a test
+# compares the two).
+UNSAVABLE_GUARDS = frozenset({"DICT_VERSION", "NN_MODULE", "ID_MATCH", "FUNCTION_MATCH",
+                              "CLASS_MATCH", "MODULE_MATCH", "CLOSURE_MATCH", "WEAKREF_ALIVE"})
+
+
+def dropped_guard(entry: Any, parameter_guards: bool) -> str | None:
+    """Why the serving path leaves one of dynamo's guards (a GuardFilterEntry, checked on
+    torch 2.13.0) out of torch's saved guard tree, or None: torch keeps and checks it on every
+    call. The drop-list (docs/serving.md lists what re-checks each and the test that proves it):
+
+    * ``identity``: a guard kind torch cannot save (``UNSAVABLE_GUARDS``): npugraph_cache.guards
+      records it with a portable description and checks it on every call;
+    * ``globals``: a guard rooted at the function's globals (``G[...]``, a global tensor):
+      a loaded or aot-compiled function runs with a copy of its globals, which torch's tree
+      would check; npugraph_cache.guards checks the live globals on every call;
+    * ``parameter``: TENSOR_MATCH on an ``nn.Parameter`` with ``parameter_guards=False``: the
+      compiler's runtime checks every parameter's address and layout on each call (the
+      npugraph_ex capture manager), and the layouts are in the key."""
+    if entry.guard_type in UNSAVABLE_GUARDS:
+        return "identity"
+    if entry.name.startswith("G[") or (entry.guard_type == "TENSOR_MATCH" and entry.is_global):
+        return "globals"
+    if entry.guard_type == "TENSOR_MATCH" and not parameter_guards and _is_parameter(entry):
+        return "parameter"
+    return None
+
+
 def portable_guard_filter(
     entries: Any,
     value_guards: Callable[[str, str, Any], str | None] | None = None,
-    recorded: list[str] | None = None,
+    recorded: list[tuple[str, str]] | None = None,
     parameter_guards: bool = True,
 ) -> list[bool]:
-    """torch.compile's ``guard_filter_fn`` (a public option; entries are GuardFilterEntry, checked
-    on torch 2.13.0): keep the guards that survive a save and a load in another process —
-    tensor dtype/device/shape/stride (TENSOR_MATCH), the dynamic-shape relations (SHAPE_ENV) and
-    the global state (GLOBAL_STATE: grad mode, autocast, default dtype, threads), like
-    ``torch.compiler.keep_portable_guards_unsafe``. Keeping any other guard makes torch 2.13 save
-    the frame's globals and dict-key-order guards (transformers models guard on pytree's
-    registry), which then fail to load. What the dropped guards protected is covered by the cache
-    key (Python values of the inputs, the module's repr, sources) and by the traced-source check
-    on load (``changed_sources``); the values the code read are recorded for ``guards``.
-
-    ``parameter_guards=False`` drops the TENSOR_MATCH guards on ``nn.Parameter`` values (entries
-    with ``has_value`` and ``value``; ~0.12 µs a tensor a call): for a compiler whose runtime
-    checks the parameters' addresses itself."""
+    """torch.compile's ``guard_filter_fn`` (a public option; entries are GuardFilterEntry,
+    checked on torch 2.13.0): keep every guard but those ``dropped_guard`` names. The values
+    the code read are recorded for npugraph_cache.guards (``(kind, source)`` pairs)."""
     if value_guards is not None and recorded is not None:
         for e in entries:
             source = value_guards(e.guard_type, e.name, e.value if e.has_value else None)
             if source is not None:
-                recorded.append(source)
-    return [
-        e.guard_type in ("GLOBAL_STATE", "SHAPE_ENV")
-        or (
-            e.guard_type == "TENSOR_MATCH"
-            and not e.is_global
-            and (parameter_guards or not _is_parameter(e))
-        )
-        for e in entries
-    ]
+                recorded.append((e.guard_type, source))
+    return [dropped_guard(e, parameter_guards) is None for e in entries]
 
 
 def _is_parameter(entry: Any) -> bool:
@@ -208,10 +229,11 @@ def load_compiled(data: bytes, f_globals: dict[str, object]) -> Any:
     Loaded inside a throwaway ``torch._guards.TracingContext``: unpickling guard sources such as
     ``ImportSource`` (a guard on ``__import__('torch').utils._pytree``, which transformers
     models produce) installs a guard into the current tracing context and fails without one."""
+    import torch._dynamo.config as dynamo_config
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with tracing(TracingContext(FakeTensorMode())):
+    with tracing(TracingContext(FakeTensorMode())), dynamo_config.patch(**_HOOK_GUARDS):
         return torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=f_globals)
 
 

@@ -115,7 +115,7 @@ class FloatsSpecialised(Exception):
     accelerator (whose capture would keep the CPU scalar's value of the capture)."""
 
 
-def _guarded_by_torch() -> bool:
+def _guarded_by_torch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """The value check of an entry torch.compile runs: dynamo guards those values itself."""
     return True
 
@@ -139,7 +139,8 @@ class _Entry:
                  "training", "values_match")
 
     def __init__(
-        self, signature: tuple[Any, ...], compiled: Any, values_match: Callable[[], bool],
+        self, signature: tuple[Any, ...], compiled: Any,
+        values_match: Callable[[tuple[Any, ...], dict[str, Any]], bool],
         guards_pass: Callable[[tuple[Any, ...], dict[str, Any]], bool], training: bool,
     ) -> None:
         self.signature = signature
@@ -201,9 +202,18 @@ class CacheCompiledFunction:
         self._miss_lock = threading.RLock()
         self._entries: list[_Entry] = []
         self._self_name: str = self._function.__code__.co_varnames[0]
+        self._signature = inspect.signature(self._function)
+        self._params = tuple(self._signature.parameters)
         self.entry_paths: list[Path] = []
         self.__wrapped__ = func
         self.__doc__ = getattr(func, "__doc__", None)
+
+    def _frame(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The method's parameters' values for a call (the module first, defaults applied), as
+        dynamo's guards name them."""
+        bound = self._signature.bind(self._module, *args, **kwargs)
+        bound.apply_defaults()
+        return tuple(bound.arguments[p] for p in self._params)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_detached, (getattr(self._function, "__qualname__", self.name),))
@@ -232,7 +242,7 @@ class CacheCompiledFunction:
         training = self._module.training
         for entry in self._entries:
             if (entry.signature != signature or entry.training is not training
-                    or not entry.values_match()):
+                    or not entry.values_match(args, kwargs)):
                 continue
             direct = entry.direct
             if direct is not None and entry.registrations == registrations() and not kwargs:
@@ -253,7 +263,8 @@ class CacheCompiledFunction:
         training = self._module.training
         for entry in self._entries:  # one another thread added while this one waited
             if (entry.signature == signature and entry.training is training
-                    and entry.values_match() and entry.guards_pass(call_args, kwargs)):
+                    and entry.values_match(args, kwargs)
+                    and entry.guards_pass(call_args, kwargs)):
                 return self._call_planning(entry, args, call_args, kwargs)
         try:
             compiled, guards, loaded = self._obtain(args, kwargs)
@@ -262,7 +273,7 @@ class CacheCompiledFunction:
             signature = value_signature(args, kwargs, self.dynamic, True)
             compiled, guards, loaded = self._obtain(args, kwargs)
         written = _compat.state_writes(compiled)
-        check = guards.checker(self._function.__globals__, self._module)
+        check = guards.checker(self._function.__globals__, self._module, self._frame)
         if written:
             compiled = self._state_writer(written[0])
             check = _guarded_by_torch
@@ -274,7 +285,8 @@ class CacheCompiledFunction:
         else:
             out = compiled(*call_args, **kwargs)
             self._finish_entry()
-        changed = None if written else guards.changed(self._function.__globals__, self._module)
+        changed = None if written else guards.changed(self._function.__globals__,
+                                                      self._frame(args, kwargs))
         if changed is not None:  # the call changed what the entry was traced with
             entry.compiled = self._state_writer(f"changed a value its graph was traced with "
                                                 f"({changed})")
@@ -373,7 +385,7 @@ class CacheCompiledFunction:
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Any, ValueGuards, bool]:
         """(compiled, the value guards it must keep passing, whether it was loaded)."""
-        no_guards = ValueGuards(self._self_name, (), ())
+        no_guards = ValueGuards(self._self_name, (), (), self._params)
         if not _compat.has_aot_compile():
             warnings.warn(
                 f"npugraph_ex cache: torch {torch.__version__} has no aot_compile; {self.name} "
@@ -386,7 +398,7 @@ class CacheCompiledFunction:
         func_dir = self.func_dir
         call_args = (self._module, *args)
         reader = EntryReader(
-            self.store, self._self_name, self._function.__globals__, self._module, self._seed
+            self.store, self._self_name, self._function.__globals__, self._frame, self._seed
         )
         loaded = True
         try:
@@ -425,8 +437,9 @@ class CacheCompiledFunction:
     ) -> tuple[Any, ValueGuards]:
         backend = self.compile_fn(self.options, self.custom_decompositions)
         graph_code: list[str] = []
-        recorded: list[str] = []
+        recorded: list[tuple[str, str]] = []
         self_name = self._self_name
+        params = self._params
         qualname = getattr(self._function, "__qualname__", self.name)
 
         float_args = set() if self._float_values else self._float_arguments(args, kwargs)
@@ -450,7 +463,7 @@ class CacheCompiledFunction:
                 kwargs,
                 checked_backend,
                 self.dynamic,
-                value_guards=lambda kind, name, value: ValueGuards.kept(kind, name, self_name, value),
+                value_guards=lambda kind, name, value: ValueGuards.kept(kind, name, params, value),
                 recorded=recorded,
                 parameter_guards=self.parameter_guards,
                 specialize_float=not symbolic,
@@ -477,7 +490,7 @@ class CacheCompiledFunction:
             raise
         bump("compiled")
         guards = ValueGuards.from_recorded(
-            recorded, self_name, self._function.__globals__, self._module
+            recorded, params, self._function.__globals__, self._frame(args, kwargs)
         )
         readable = getattr(backend, "readable_code", None)
         metadata = {
