@@ -127,6 +127,15 @@ UNSAVABLE_GUARDS = frozenset({"DICT_VERSION", "NN_MODULE", "ID_MATCH", "FUNCTION
                               "CLASS_MATCH", "MODULE_MATCH", "CLOSURE_MATCH", "WEAKREF_ALIVE"})
 
 
+def guard_kind(entry: Any) -> str:
+    """A GuardFilterEntry's kind: its own, or the first of the kinds it is made of that torch
+    cannot save (a guard made of a DICT_VERSION check, say), checked on torch 2.13.0."""
+    for kind in entry.derived_guard_types:
+        if kind in UNSAVABLE_GUARDS:
+            return str(kind)
+    return str(entry.guard_type)
+
+
 def dropped_guard(entry: Any, parameter_guards: bool) -> str | None:
     """Why the serving path leaves one of dynamo's guards (a GuardFilterEntry, checked on
     torch 2.13.0) out of torch's saved guard tree, or None: torch keeps and checks it on every
@@ -140,7 +149,7 @@ def dropped_guard(entry: Any, parameter_guards: bool) -> str | None:
     * ``parameter``: TENSOR_MATCH on an ``nn.Parameter`` with ``parameter_guards=False``: the
       compiler's runtime checks every parameter's address and layout on each call (the
       npugraph_ex capture manager), and the layouts are in the key."""
-    if entry.guard_type in UNSAVABLE_GUARDS:
+    if guard_kind(entry) in UNSAVABLE_GUARDS:
         return "identity"
     if entry.name.startswith("G[") or (entry.guard_type == "TENSOR_MATCH" and entry.is_global):
         return "globals"
@@ -160,9 +169,10 @@ def portable_guard_filter(
     the code read are recorded for npugraph_cache.guards (``(kind, source)`` pairs)."""
     if value_guards is not None and recorded is not None:
         for e in entries:
-            source = value_guards(e.guard_type, e.name, e.value if e.has_value else None)
+            kind = guard_kind(e)
+            source = value_guards(kind, e.name, e.value if e.has_value else None)
             if source is not None:
-                recorded.append((e.guard_type, source))
+                recorded.append((kind, source))
     return [dropped_guard(e, parameter_guards) is None for e in entries]
 
 
@@ -276,56 +286,6 @@ def guard_checker(compiled: Any) -> Callable[[tuple[Any, ...], dict[str, Any]], 
         return bool(check(dict(zip(names, args, strict=True))))
 
     return positional
-
-
-_TENSOR_ARG_GUARDS = frozenset({"TENSOR_MATCH", "DIMENSION_DYNAMIC_MARKING_GUARD",
-                                "NO_TENSOR_ALIASING"})
-
-
-def plain_tensor_guards(
-    compiled: Any, args: tuple[Any, ...]
-) -> tuple[Callable[..., bool], Callable[[], bool]] | None:
-    """For the serving plan: one C++ check standing in for the kept guards of an entry whose
-    arguments (after ``self``) are plain tensors, or None where its guard tree holds anything else.
-    Checked on torch 2.13.0: the tree of ``_artifacts.guard_manager.root`` then has GLOBAL_STATE
-    at the root and, under one FrameLocalsGuardAccessor per tensor argument, TENSOR_MATCH,
-    DIMENSION_DYNAMIC_MARKING_GUARD and NO_TENSOR_ALIASING (object identity). The returned
-    ``(tensors_match(*args), state_matches())`` pair is ``TensorGuards`` built from ``args`` (the
-    same per-tensor check as TENSOR_MATCH: type, dispatch keys, dtype, device, requires_grad,
-    sizes, strides; it also refuses one tensor object passed twice) and a ``GlobalStateGuard``
-    of now (the state the tree's GLOBAL_STATE passed for this call). It does not re-check
-    ``torch._dynamo.mark_dynamic`` markings on a call's tensors; where it answers False the
-    caller asks the tree."""
-    from torch._C._dynamo import guards
-
-    root = getattr(getattr(getattr(compiled, "_artifacts", None), "guard_manager", None),
-                   "root", None)
-    if (root is None or not args or any(type(a) is not torch.Tensor for a in args)
-            or not all(hasattr(guards, n) for n in ("TensorGuards", "GlobalStateGuard"))):
-        return None
-    try:
-        names = [type(g).__name__ for g in root.get_leaf_guards()]
-        if names != ["GLOBAL_STATE"] or root.get_epilogue_lambda_guards():
-            return None
-        children = root.get_child_managers()
-        params = list(compiled._artifacts.signature.parameters)[1:]
-        if ([type(a).__name__ for a in root.get_accessors()] != (
-                ["FrameLocalsGuardAccessor"] * len(args)) or len(params) != len(args)
-                or sorted(c.get_source() for c in children) != sorted(f"L['{n}']" for n in params)):
-            return None
-        for child in children:
-            kinds = {type(g).__name__ for g in child.get_leaf_guards()}
-            if child.get_child_managers() or "TENSOR_MATCH" not in kinds or not kinds <= _TENSOR_ARG_GUARDS:
-                return None
-        sizes: Any = [list(a.shape) for a in args]  # per tensor (the stub says per dim)
-        strides: Any = [list(a.stride()) for a in args]
-        tensors = guards.TensorGuards(*args, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
-        state = guards.GlobalStateGuard()
-        if not tensors.check(*args) or not state.check():
-            return None
-    except (AttributeError, TypeError, RuntimeError):
-        return None
-    return tensors.check, state.check
 
 
 def without_first_call_alias_check() -> Any:

@@ -135,7 +135,7 @@ class _Entry:
     guards), the compiled function, and its direct-dispatch plan (None: through dynamo's
     bytecode) with the registration count it was made at."""
 
-    __slots__ = ("compiled", "direct", "guards_pass", "plain_guards", "registrations", "signature",
+    __slots__ = ("compiled", "direct", "guards_pass", "registrations", "signature",
                  "training", "values_match")
 
     def __init__(
@@ -151,8 +151,6 @@ class _Entry:
         self.values_match = values_match
         self.guards_pass = guards_pass
         self.direct: Direct | None = None
-        # the plan's own check of what the kept guards check (_compat.plain_tensor_guards)
-        self.plain_guards: tuple[Callable[..., bool], Callable[[], bool]] | None = None
         self.registrations = -1
 
 
@@ -246,9 +244,7 @@ class CacheCompiledFunction:
                 continue
             direct = entry.direct
             if direct is not None and entry.registrations == registrations() and not kwargs:
-                plain = entry.plain_guards  # one C++ check where the tree holds nothing else
-                if (plain is not None and plain[0](*args) and plain[1]()) or entry.guards_pass(
-                        (self._module, *args), kwargs):
+                if entry.guards_pass((self._module, *args), kwargs):
                     return direct(args)
                 continue
             call_args = (self._module, *args)
@@ -327,12 +323,8 @@ class CacheCompiledFunction:
         entry.registrations = count
         result, probe = _compat.probe_call(entry.compiled, call_args)
         entry.direct = plan(self._module, args, probe, result)
-        entry.plain_guards = None
         if entry.direct is not None:
             bump("direct_plans")
-            entry.plain_guards = _compat.plain_tensor_guards(entry.compiled, args)
-            if entry.plain_guards is not None:
-                _compat.dynamo_counters()["npugraph_ex_serving"]["plain_guard_plans"] += 1
         return result
 
     def _finish_entry(self) -> None:
