@@ -2,10 +2,11 @@
 the calls to make in order, each with a change to apply first. Used by test_compile_cache.py
 in-process (cold, then warm from the entries on disk) and, as a worker, in a fresh process:
 
-    python serving_cases.py CACHE_DIR CASE [reversed]
+    python serving_cases.py CACHE_DIR CASE[,CASE...]|all [reversed]
 
-runs CASE's calls (in reverse order with ``reversed``), each compared with eager, and prints
-one JSON line: ``{"ok": bool, "errors": [...], "counters": {...}}``.
+runs each case's calls (in reverse order with ``reversed``, without the changes), each compared
+with eager on fresh inputs, and prints one JSON line:
+``{"errors": {case: [...]}, "counters": {...}}``.
 """
 
 from __future__ import annotations
@@ -306,10 +307,15 @@ def run(case_name: str, cache_dir: str, order: str = "forward",
 
 
 if __name__ == "__main__":
+    import warnings
+
+    import serving_cases  # the classes by their module's name, as the first process keyed them
     from torch._dynamo.utils import counters
 
-    # a fresh process: the changes before each call made in the constructor's place are the
-    # entries' business (a changed value in a new process selects its own entry)
-    errs = run(sys.argv[2], sys.argv[1], sys.argv[3] if len(sys.argv) > 3 else "forward")
-    print(json.dumps({"ok": not errs, "errors": errs,
-                      "counters": dict(counters["npugraph_ex_cache"])}))
+    warnings.simplefilter("ignore")  # a changed value's recompile warns; the errors are the result
+    # a fresh process whose first calls use the other values: the entries the changes selected
+    # or compiled in the first process are found by their values
+    names = list(CASES) if sys.argv[2] == "all" else sys.argv[2].split(",")
+    order = sys.argv[3] if len(sys.argv) > 3 else "forward"
+    found = {name: serving_cases.run(name, sys.argv[1], order) for name in names}
+    print(json.dumps({"errors": found, "counters": dict(counters["npugraph_ex_cache"])}))
