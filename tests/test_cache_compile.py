@@ -903,3 +903,37 @@ def test_serving_path_catches_a_user_input_on_another_device(tmp_path: Path) -> 
     _matches_eager(fn, model, _served_inputs(5))
     model.cuda()
     _matches_eager(fn, model, _served_inputs(5, device="cuda"))
+
+
+# --- every Python value the traced code read is checked (issue 24) ------------------------------
+_CASES_DIR = Path(__file__).parents[1] / "packages" / "npugraph-cache" / "tests"
+
+
+def _serving_cases() -> Any:
+    sys.path.insert(0, str(_CASES_DIR))
+    try:
+        import serving_cases
+    finally:
+        sys.path.remove(str(_CASES_DIR))
+    return serving_cases
+
+
+@pytest.mark.parametrize("case", sorted(_serving_cases().CASES))
+def test_a_call_differing_in_a_python_value_the_code_read_matches_eager_on_captures(
+    tmp_path: Path, case: str
+) -> None:
+    """The cache package's cases (serving_cases.py: argument objects, dtype/enum/function/
+    partial/module arguments, floats in *args/**kwargs, dict key order, module attributes,
+    submodules and hooks changed in the running process, globals) on the npugraph_ex backend:
+    each call equal to eager, cold and then warm, through captured device graphs."""
+    from torch._dynamo.utils import counters
+
+    cases = _serving_cases()
+    assert cases.run(case, str(tmp_path), cache_compile=cache_compile) == []
+    assert counters["npugraph_ex_cache"]["compiled"] >= 1
+    assert _captures() >= 1
+    counters.clear()
+    torch._dynamo.reset()
+    assert cases.run(case, str(tmp_path), cache_compile=cache_compile) == []
+    assert counters["npugraph_ex_cache"]["loaded"] >= 1
+    assert _captures() >= 1
