@@ -37,7 +37,7 @@ def has_aot_compile() -> bool:
         return False
 
 
-_HOOK_GUARDS = {"skip_nnmodule_hook_guards": False}
+_HOOK_GUARDS: dict[str, Any] = {"skip_nnmodule_hook_guards": False}
 
 
 def aot_compile(
@@ -74,7 +74,7 @@ def aot_compile(
     # entry's guards (DICT_LENGTH of the hooks dicts) and selects or compiles another entry.
     # torch.compile reads dynamo's config when it is called, and a load rebuilds the guards
     # (``load_compiled``): both under the patch.
-    with dynamo_config.patch(specialize_float=specialize_float, **_HOOK_GUARDS):
+    with dynamo_config.patch({**_HOOK_GUARDS, "specialize_float": specialize_float}):
         compiled = torch.compile(
             fn,
             fullgraph=True,
@@ -243,7 +243,7 @@ def load_compiled(data: bytes, f_globals: dict[str, object]) -> Any:
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with tracing(TracingContext(FakeTensorMode())), dynamo_config.patch(**_HOOK_GUARDS):
+    with tracing(TracingContext(FakeTensorMode())), dynamo_config.patch(_HOOK_GUARDS):
         return torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=f_globals)
 
 
