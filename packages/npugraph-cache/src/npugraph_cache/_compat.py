@@ -347,27 +347,15 @@ def is_seeded_op(target: object) -> bool:
     return False
 
 
-def state_writes(compiled: Any) -> tuple[str, ...]:
-    """What dynamo's transformed bytecode writes of the Python state with the structure of its
-    trace, described: a module global assigned or deleted (``global X; X += 1`` is replayed as a
-    ``STORE_GLOBAL`` of the traced value), a container updated in place (``self.hist.append(y)``
-    is replayed as ``self.hist[:] = [<the traced items>, y]``, a ``STORE_SUBSCR``). Checked on
-    torch 2.13.0: ``AOTCompiledFunction.fn`` runs with globals of its own (a copy made when it
-    was compiled or loaded), so a global write never reaches the user's module either. Anything
-    else (an uncached function, another torch) gives ``()``."""
-    import dis
-    import types
-
+def function_globals(compiled: Any) -> dict[str, Any] | None:
+    """The globals a compiled function runs with: checked on torch 2.13.0, an
+    ``AOTCompiledFunction``'s ``fn`` runs with a dict of its own (a copy made when it was
+    compiled or loaded, ``GraphRuntimeEnv.forward_callable``), so a global the traced code
+    assigns never reaches the user's module. None for anything else (an uncached function)."""
     fn = getattr(compiled, "fn", None)
-    if not isinstance(fn, types.FunctionType):
-        return ()
-    found: dict[str, None] = {}
-    for ins in dis.get_instructions(fn.__code__):
-        if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
-            found[f"assigns the global {ins.argval!r}"] = None
-        elif ins.opname in ("STORE_SUBSCR", "DELETE_SUBSCR", "STORE_SLICE", "DELETE_SLICE"):
-            found["updates a list or dict in place"] = None
-    return tuple(found)
+    own = getattr(fn, "__globals__", None)
+    return own if isinstance(own, dict) and type(compiled).__name__ == "AOTCompiledFunction" \
+        else None
 
 
 # --- dispatch.py: the backend's graph called without dynamo's transformed bytecode -------------

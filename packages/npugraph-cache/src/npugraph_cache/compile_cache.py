@@ -268,27 +268,47 @@ class CacheCompiledFunction:
             self._float_values = True
             signature = value_signature(args, kwargs, self.dynamic, True)
             compiled, guards, loaded = self._obtain(args, kwargs)
-        written = _compat.state_writes(compiled)
         check = guards.checker(self._function.__globals__, self._module, self._frame)
-        if written:
-            compiled = self._state_writer(written[0])
-            check = _guarded_by_torch
         entry = _Entry(signature, compiled, check, _compat.guard_checker(compiled), training)
         self._entries.append(entry)
+        # the entry's own copy of its globals (a loaded or aot-compiled function's): what the
+        # first call assigns there is the user's state, as eager would have left it
+        own_globals = _compat.function_globals(compiled)
+        before = dict(own_globals) if own_globals is not None else {}
         if loaded:
             with _compat.without_first_call_alias_check():
                 out = compiled(*call_args, **kwargs)
         else:
             out = compiled(*call_args, **kwargs)
             self._finish_entry()
-        changed = None if written else guards.changed(self._function.__globals__,
-                                                      self._frame(args, kwargs))
+        changed = self._globals_assigned(before, own_globals) or guards.changed(
+            self._function.__globals__, self._frame(args, kwargs))
+        if changed is None and not entry.guards_pass(call_args, kwargs):
+            changed = "the call itself fails the guards it passed (an attribute or container " \
+                      "it read and updated)"
         if changed is not None:  # the call changed what the entry was traced with
             entry.compiled = self._state_writer(f"changed a value its graph was traced with "
                                                 f"({changed})")
             entry.values_match = _guarded_by_torch
             entry.guards_pass = _compat.guard_checker(entry.compiled)
         return out
+
+    def _globals_assigned(self, before: dict[str, Any],
+                          own_globals: dict[str, Any] | None) -> str | None:
+        """The globals of the method's module that its entry's first call assigned or deleted
+        in the entry's copy of them (``global STEP; STEP += 1``), written back to the module
+        (the first call's effect, as eager's), described; None when there are none."""
+        if own_globals is None:
+            return None
+        user = self._function.__globals__
+        assigned = [name for name in user
+                    if name in before and own_globals.get(name, before) is not before[name]]
+        for name in assigned:
+            if name in own_globals:
+                user[name] = own_globals[name]
+            else:
+                del user[name]
+        return f"assigns the global {assigned[0]!r}" if assigned else None
 
     def _state_writer(self, what: str) -> _Uncached:
         """A method that updates Python state it reads (``self.calls += 1``, a list it appends
