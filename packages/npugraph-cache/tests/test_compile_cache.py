@@ -599,3 +599,30 @@ def test_the_drop_list_names_only_what_torch_cannot_save() -> None:
 
     assert frozenset(
         CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES) == _compat.UNSAVABLE_GUARDS
+
+
+def test_a_module_of_a_class_defined_in_a_function_is_served_and_its_type_checked(
+    tmp_path: Path,
+) -> None:
+    """torch cannot save a type check on an instance of a class defined in a function: that
+    guard is dropped from its tree and checked by the cache on every call (the type's identity,
+    else its qualified name); the entry serves cold and warm, equal to eager."""
+    from torch._dynamo.utils import counters
+
+    class Local(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 4), requires_grad=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.w
+
+    counters.clear()
+    model = Local().eval()
+    for _ in range(2):  # cold, then warm from the entry on disk
+        fn = cache_compile(model.forward, cache_dir=tmp_path)
+        for _ in range(3):
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(fn(x), model(x))
+    assert counters["npugraph_ex_cache"]["compiled"] == 1
+    assert counters["npugraph_ex_cache"]["loaded"] == 1

@@ -129,11 +129,20 @@ UNSAVABLE_GUARDS = frozenset({"DICT_VERSION", "NN_MODULE", "ID_MATCH", "FUNCTION
 
 def guard_kind(entry: Any) -> str:
     """A GuardFilterEntry's kind: its own, or the first of the kinds it is made of that torch
-    cannot save (a guard made of a DICT_VERSION check, say), checked on torch 2.13.0."""
+    cannot save (a guard made of a DICT_VERSION check, say), checked on torch 2.13.0. A type
+    check on an object of a class defined in a function (``<locals>``: torch's save refuses it
+    with a TypeError) is a CLASS_MATCH on ``type(<source>)``."""
+    if _local_type(entry):
+        return "CLASS_MATCH"
     for kind in entry.derived_guard_types:
         if kind in UNSAVABLE_GUARDS:
             return str(kind)
     return str(entry.guard_type)
+
+
+def _local_type(entry: Any) -> bool:
+    return entry.guard_type == "TYPE_MATCH" and bool(entry.has_value) and (
+        "<locals>" in type(entry.value).__qualname__)
 
 
 def dropped_guard(entry: Any, parameter_guards: bool) -> str | None:
@@ -170,7 +179,10 @@ def portable_guard_filter(
     if value_guards is not None and recorded is not None:
         for e in entries:
             kind = guard_kind(e)
-            source = value_guards(kind, e.name, e.value if e.has_value else None)
+            name, value = e.name, e.value if e.has_value else None
+            if _local_type(e):
+                name, value = f"type({name})", type(value)
+            source = value_guards(kind, name, value)
             if source is not None:
                 recorded.append((kind, source))
     return [dropped_guard(e, parameter_guards) is None for e in entries]
