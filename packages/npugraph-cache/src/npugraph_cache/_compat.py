@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle as _RemovableHandle
 
 Backend = Callable[[torch.fx.GraphModule, list[Any]], Any]
 
@@ -37,9 +38,6 @@ def has_aot_compile() -> bool:
         return False
 
 
-_HOOK_GUARDS: dict[str, Any] = {"skip_nnmodule_hook_guards": False}
-
-
 def aot_compile(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -54,8 +52,7 @@ def aot_compile(
     """Checked on torch 2.13.0: ``torch.compile(fullgraph=True).aot_compile(((args), {kwargs}))``
     traces ``fn`` once, keeps its guards, and returns an ``AOTCompiledFunction``.
 
-    ``specialize_float`` sets ``torch._dynamo.config.specialize_float``; hook guards are on
-    (``skip_nnmodule_hook_guards=False``). Left False, dynamo
+    ``specialize_float`` sets ``torch._dynamo.config.specialize_float``. Left False, dynamo
     makes Python floats graph inputs (a temperature new on every call then needs no new
     graph); where the code uses one in a way AOT's tensorify pass cannot keep symbolic
     (``math.exp(t)``, a branch on it) the pass asks for a restart with the float specialised,
@@ -69,12 +66,7 @@ def aot_compile(
 
     import torch._dynamo.config as dynamo_config
 
-    # skip_nnmodule_hook_guards off (torch.compile's default, True, does not see a hook added
-    # after it compiled): a hook registered on the module or a submodule later fails the
-    # entry's guards (DICT_LENGTH of the hooks dicts) and selects or compiles another entry.
-    # torch.compile reads dynamo's config when it is called, and a load rebuilds the guards
-    # (``load_compiled``): both under the patch.
-    with dynamo_config.patch({**_HOOK_GUARDS, "specialize_float": specialize_float}):
+    with dynamo_config.patch(specialize_float=specialize_float):
         compiled = torch.compile(
             fn,
             fullgraph=True,
@@ -140,6 +132,14 @@ def guard_kind(entry: Any) -> str:
     return str(entry.guard_type)
 
 
+def hook_registrations() -> int:
+    """How many hooks were registered on any module (or anything else with a RemovableHandle)
+    in this process. Checked on torch 2.13.0: every ``register_*hook`` returns a
+    ``torch.utils.hooks.RemovableHandle``, whose ``__init__`` takes the class counter
+    ``next_id`` and increments it."""
+    return int(_RemovableHandle.next_id)
+
+
 def _local_type(entry: Any) -> bool:
     return entry.guard_type == "TYPE_MATCH" and bool(entry.has_value) and (
         "<locals>" in type(entry.value).__qualname__)
@@ -157,13 +157,19 @@ def dropped_guard(entry: Any, parameter_guards: bool) -> str | None:
       would check; npugraph_cache.guards checks the live globals on every call;
     * ``parameter``: TENSOR_MATCH on an ``nn.Parameter`` with ``parameter_guards=False``: the
       compiler's runtime checks every parameter's address and layout on each call (the
-      npugraph_ex capture manager), and the layouts are in the key."""
+      npugraph_ex capture manager), and the layouts are in the key;
+    * ``hooks``: a module's hooks dict that was empty (EMPTY_NN_MODULE_HOOKS_DICT, which
+      torch.compile skips by default, ``skip_nnmodule_hook_guards``): npugraph_cache.guards
+      checks them all again whenever a hook was registered anywhere since
+      (``hook_registrations``), one integer compare a call otherwise."""
     if guard_kind(entry) in UNSAVABLE_GUARDS:
         return "identity"
     if entry.name.startswith("G[") or (entry.guard_type == "TENSOR_MATCH" and entry.is_global):
         return "globals"
     if entry.guard_type == "TENSOR_MATCH" and not parameter_guards and _is_parameter(entry):
         return "parameter"
+    if entry.guard_type == "EMPTY_NN_MODULE_HOOKS_DICT":
+        return "hooks"
     return None
 
 
@@ -251,11 +257,10 @@ def load_compiled(data: bytes, f_globals: dict[str, object]) -> Any:
     Loaded inside a throwaway ``torch._guards.TracingContext``: unpickling guard sources such as
     ``ImportSource`` (a guard on ``__import__('torch').utils._pytree``, which transformers
     models produce) installs a guard into the current tracing context and fails without one."""
-    import torch._dynamo.config as dynamo_config
     from torch._guards import TracingContext, tracing
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with tracing(TracingContext(FakeTensorMode())), dynamo_config.patch(_HOOK_GUARDS):
+    with tracing(TracingContext(FakeTensorMode())):
         return torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=f_globals)
 
 

@@ -137,6 +137,8 @@ class ValueGuards:
         load the entry."""
         if guard_type == "TYPE_MATCH" and value is os.environ:
             return _ENVIRON
+        if guard_type == "EMPTY_NN_MODULE_HOOKS_DICT":  # re-checked after a hook registration
+            return f"len({name})" if _rooted(name, params) else None
         rooted_at_globals = name.startswith("G[")
         if not (rooted_at_globals or guard_type in IDENTITY_GUARDS | VALUE_GUARDS):
             return None
@@ -211,7 +213,12 @@ class ValueGuards:
         first); only when that differs are the values described and compared. The
         arguments are bound to the method's parameters (``bind(args, kwargs)``) only where a
         checked source reads one."""
-        modes = self._mode_check(module)
+        flags = self._mode_check(module)
+        hooks = self._hooks_check(f_globals, module, bind)
+        modes = flags
+        if hooks is not None:
+            modes = hooks if flags is None else (
+                lambda args, kwargs: hooks(args, kwargs) and flags(args, kwargs))
         picked = [i for i, every in enumerate(self.every_call) if every]
         if not picked:
             return modes or _always
@@ -270,6 +277,39 @@ class ValueGuards:
 
         return modes
 
+    def _hooks_check(
+        self, f_globals: dict[str, Any], module: Any, bind: Callable[..., Frame],
+    ) -> Callable[[tuple[Any, ...], dict[str, Any]], bool] | None:
+        """The hooks dicts that were empty when the entry was traced (the module's, its
+        submodules', a module argument's), all evaluated again only when a hook was registered
+        anywhere in the process since they last passed (``_compat.hook_registrations``): one
+        integer compare a call otherwise."""
+        picked = [i for i, source in enumerate(self.sources) if _is_hooks(source)]
+        if not picked:
+            return None
+        sources = [self.sources[i] for i in picked]
+        module_only = all((_names(s) or set()) <= {"G", self.self_name, *dir(builtins)}
+                          for s in sources)
+        params = (self.self_name,) if module_only else self.params
+        lengths = _evaluator(params, sources, described=False)
+        empty = (0,) * len(sources)
+        held = [-1]
+
+        def hooks(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+            count = _compat.hook_registrations()
+            if count == held[0] and module_only:
+                return True
+            try:
+                at = (module,) if module_only else bind(args, kwargs)
+                if lengths(f_globals, *at) != empty:
+                    return False
+            except Exception:  # a submodule that is gone: not the traced module
+                return False
+            held[0] = count
+            return True
+
+        return hooks
+
     def mismatch(self, f_globals: dict[str, Any], frame: Frame) -> str | None:
         """The first value that differs, described for a warning; None when all match."""
         for source, want in zip(self.sources, self.expected, strict=True):
@@ -304,6 +344,10 @@ _training = operator.attrgetter("training")
 def _is_mode(source: str, self_name: str) -> bool:
     """A module's (or a submodule's) mode, as dynamo names its source."""
     return source.endswith(_MODE) and source.startswith(f"{self_name}.")
+
+
+def _is_hooks(source: str) -> bool:
+    return source.startswith("len(") and source.endswith("hooks)")
 
 
 def _always(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
