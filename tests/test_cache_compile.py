@@ -775,7 +775,6 @@ def test_serving_path_bound_plan_keeps_held_outputs_and_sees_a_data_swap(
 
     model, fn = _serving(tmp_path, start)
     assert counters["npugraph_ex_serving"]["bound_plans"] == 1
-    assert counters["npugraph_ex_serving"]["plain_guard_plans"] == 1
     calls = _served_inputs(7)
     kept = fn(*calls[0])
     with torch.no_grad():
@@ -792,17 +791,16 @@ def test_serving_path_bound_plan_keeps_held_outputs_and_sees_a_data_swap(
 
 
 @pytest.mark.parametrize("start", ["cold", "warm"])
-def test_serving_path_plans_own_guard_check_sees_layout_identity_and_global_state(
+def test_serving_path_plan_is_taken_only_when_the_guard_tree_passes(
     tmp_path: Path, start: str
 ) -> None:
-    """A plan over plain tensor arguments checks what the entry's kept guards check with one C++
-    call (``plain_guard_plans``): another stride, one tensor passed twice, and another global
-    state (threads) are each refused by it and by the guards, so another entry serves them;
-    equal to eager."""
+    """A planned entry is called only after its whole guard tree passes: another stride, one
+    tensor passed twice, and another global state (threads) are each refused, so another entry
+    serves them; equal to eager."""
     from torch._dynamo.utils import counters
 
     model, fn = _serving(tmp_path, start)
-    assert counters["npugraph_ex_serving"]["plain_guard_plans"] == 1
+    assert counters["npugraph_ex_serving"]["bound_plans"] == 1
     compiled = counters["npugraph_ex_cache"]["compiled"]
     transposed = [[torch.randn(16, 8).t() for _ in range(4)] for _ in range(5)]
     _matches_eager(fn, model, transposed)
@@ -905,3 +903,37 @@ def test_serving_path_catches_a_user_input_on_another_device(tmp_path: Path) -> 
     _matches_eager(fn, model, _served_inputs(5))
     model.cuda()
     _matches_eager(fn, model, _served_inputs(5, device="cuda"))
+
+
+# --- every Python value the traced code read is checked (issue 24) ------------------------------
+_CASES_DIR = Path(__file__).parents[1] / "packages" / "npugraph-cache" / "tests"
+
+
+def _serving_cases() -> Any:
+    sys.path.insert(0, str(_CASES_DIR))
+    try:
+        import serving_cases
+    finally:
+        sys.path.remove(str(_CASES_DIR))
+    return serving_cases
+
+
+@pytest.mark.parametrize("case", sorted(_serving_cases().CASES))
+def test_a_call_differing_in_a_python_value_the_code_read_matches_eager_on_captures(
+    tmp_path: Path, case: str
+) -> None:
+    """The cache package's cases (serving_cases.py: argument objects, dtype/enum/function/
+    partial/module arguments, floats in *args/**kwargs, dict key order, module attributes,
+    submodules and hooks changed in the running process, globals) on the npugraph_ex backend:
+    each call equal to eager, cold and then warm, through captured device graphs."""
+    from torch._dynamo.utils import counters
+
+    cases = _serving_cases()
+    assert cases.run(case, str(tmp_path), cache_compile=cache_compile) == []
+    assert counters["npugraph_ex_cache"]["compiled"] >= 1
+    assert _captures() >= 1
+    counters.clear()
+    torch._dynamo.reset()
+    assert cases.run(case, str(tmp_path), cache_compile=cache_compile) == []
+    assert counters["npugraph_ex_cache"]["loaded"] >= 1
+    assert _captures() >= 1

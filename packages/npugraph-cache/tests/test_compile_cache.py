@@ -30,6 +30,7 @@ from npugraph_cache.format import MAGIC, decode, encode
 from npugraph_cache.store import CacheStore
 
 WORKER = Path(__file__).with_name("cache_worker.py")
+CASES_WORKER = Path(__file__).with_name("serving_cases.py")
 VALUES_WORKER = Path(__file__).with_name("values_worker.py")
 # torch < 2.12 (2.11.0): no usable aot_compile, so cache_compile runs without the disk cache
 pytestmark = pytest.mark.skipif(not _compat.has_aot_compile(),
@@ -534,3 +535,94 @@ def test_keyword_calls_take_torchs_guard_check_and_stay_correct(tmp_path: Path, 
         x, kv = _inputs(seq)
         torch.testing.assert_close(fn(x, kv=kv), _eager(block, x, kv))
         torch.testing.assert_close(fn(x, kv), _eager(block, x, kv))
+
+
+# --- every Python value the traced code read is checked (issue 24) ------------------------------
+sys.path.insert(0, str(CASES_WORKER.parent))
+import serving_cases  # noqa: E402 - the cases live beside this file (a worker imports them too)
+
+
+@pytest.mark.parametrize("case", sorted(serving_cases.CASES))
+def test_a_call_differing_in_a_python_value_the_code_read_matches_eager_cold_and_warm(
+    tmp_path: Path, case: str
+) -> None:
+    """An argument object's attribute, a dtype, enum, function, partial, module or callable
+    argument, floats in ``*args``/``**kwargs``, a dict's key order, a ModuleList's length, a
+    module attribute, submodule or hook changed in the running process, a global rebound: the
+    served method matches eager on every call (twice each), cold and then warm (a new
+    cache_compile loading the entries from disk), as torch.compile does."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    assert serving_cases.run(case, str(tmp_path)) == []
+    assert counters["npugraph_ex_cache"]["compiled"] >= 1
+    counters.clear()
+    torch._dynamo.reset()
+    assert serving_cases.run(case, str(tmp_path)) == []
+    assert counters["npugraph_ex_cache"]["loaded"] >= 1
+
+
+def test_python_values_are_checked_across_processes(tmp_path: Path) -> None:
+    """A second process whose first calls use the other values (the calls in reverse order)
+    loads the entries of the first and matches eager on every call of every case."""
+    from torch._dynamo.utils import counters
+
+    for case in serving_cases.CASES:
+        assert serving_cases.run(case, str(tmp_path)) == [], case
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    done = subprocess.run([sys.executable, str(CASES_WORKER), str(tmp_path), "all", "reversed"],
+                          env=env, capture_output=True, text=True, timeout=900, check=True)
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {case: errors for case, errors in result["errors"].items() if errors} == {}
+    assert result["counters"]["loaded"] >= len(serving_cases.CASES)
+    counters.clear()
+
+
+def test_a_float_default_left_out_does_not_make_every_float_a_new_entry(tmp_path: Path) -> None:
+    """``f(x)`` (the default ``t=1.0``) and then ``f(x, t=...)`` with new floats: one entry for
+    the default and one for the keyword, whatever its value; each call equal to eager."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    model = serving_cases.Sampler().eval()
+    fn = cache_compile(model.default, cache_dir=tmp_path)
+    for kwargs in ({}, {"t": 0.5}, {"t": 0.7}, {"t": 0.9}, {}):
+        x = torch.randn(3, 6)
+        with torch.no_grad():
+            torch.testing.assert_close(fn(x, **kwargs), model.default(x, **kwargs))
+    assert counters["npugraph_ex_cache"]["compiled"] == 2
+
+
+def test_the_drop_list_names_only_what_torch_cannot_save() -> None:
+    """The identity guards dropped from torch's tree are exactly the kinds its save refuses."""
+    from torch._dynamo.guards import CheckFunctionManager
+
+    assert frozenset(
+        CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES) == _compat.UNSAVABLE_GUARDS
+
+
+def test_a_module_of_a_class_defined_in_a_function_is_served_and_its_type_checked(
+    tmp_path: Path,
+) -> None:
+    """torch cannot save a type check on an instance of a class defined in a function: that
+    guard is dropped from its tree and checked by the cache on every call (the type's identity,
+    else its qualified name); the entry serves cold and warm, equal to eager."""
+    from torch._dynamo.utils import counters
+
+    class Local(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(4, 4), requires_grad=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.w
+
+    counters.clear()
+    model = Local().eval()
+    for _ in range(2):  # cold, then warm from the entry on disk
+        fn = cache_compile(model.forward, cache_dir=tmp_path)
+        for _ in range(3):
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(fn(x), model(x))
+    assert counters["npugraph_ex_cache"]["compiled"] == 1
+    assert counters["npugraph_ex_cache"]["loaded"] == 1

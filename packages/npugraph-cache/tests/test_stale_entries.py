@@ -278,7 +278,7 @@ def test_a_changed_tuple_is_shown_by_its_items_in_the_warning() -> None:
     from npugraph_cache.guards import ValueGuards, describe
 
     guards = ValueGuards("self", ("self.sizes",), (describe((8, 8)),))
-    message = guards.mismatch({}, types.SimpleNamespace(sizes=(4, 12)))
+    message = guards.mismatch({}, (types.SimpleNamespace(sizes=(4, 12)),))
     assert message == "self.sizes is (4, 12), was (8, 8) when compiled"
 
 
@@ -287,6 +287,6 @@ def test_a_global_naming_a_c_function_is_kept_a_librarys_own_function_is_not() -
     the versions in the key, and a kept global costs a check on every call."""
     from npugraph_cache.guards import ValueGuards
 
-    assert ValueGuards.kept("BUILTIN_MATCH", "G['ACT']", "self", torch.tanh) == "G['ACT']"
-    assert ValueGuards.kept("BUILTIN_MATCH", "self.act", "self", F.gelu) == "self.act"
-    assert ValueGuards.kept("BUILTIN_MATCH", "G['torch'].relu", "self", torch.relu) is None
+    assert ValueGuards.kept("BUILTIN_MATCH", "G['ACT']", ("self",), torch.tanh) == "G['ACT']"
+    assert ValueGuards.kept("BUILTIN_MATCH", "self.act", ("self",), F.gelu) == "self.act"
+    assert ValueGuards.kept("BUILTIN_MATCH", "G['torch'].relu", ("self",), torch.relu) is None

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle as _RemovableHandle
 
 Backend = Callable[[torch.fx.GraphModule, list[Any]], Any]
 
@@ -44,7 +45,7 @@ def aot_compile(
     backend: Backend,
     dynamic: bool,
     value_guards: Callable[[str, str, Any], str | None] | None = None,
-    recorded: list[str] | None = None,
+    recorded: list[tuple[str, str]] | None = None,
     parameter_guards: bool = True,
     specialize_float: bool = True,
 ) -> Any:
@@ -65,21 +66,21 @@ def aot_compile(
 
     import torch._dynamo.config as dynamo_config
 
-    compiled = torch.compile(
-        fn,
-        fullgraph=True,
-        backend=backend,
-        dynamic=dynamic,
-        options={
-            "guard_filter_fn": functools.partial(
-                portable_guard_filter,
-                value_guards=value_guards,
-                recorded=recorded,
-                parameter_guards=parameter_guards,
-            )
-        },
-    )
     with dynamo_config.patch(specialize_float=specialize_float):
+        compiled = torch.compile(
+            fn,
+            fullgraph=True,
+            backend=backend,
+            dynamic=dynamic,
+            options={
+                "guard_filter_fn": functools.partial(
+                    portable_guard_filter,
+                    value_guards=value_guards,
+                    recorded=recorded,
+                    parameter_guards=parameter_guards,
+                )
+            },
+        )
         return compiled.aot_compile((args, kwargs))  # type: ignore[attr-defined]
 
 
@@ -110,39 +111,87 @@ def is_scalar_restart(exc: BaseException) -> bool:
     return False
 
 
+# The guard kinds torch's save refuses (identities: which function, class, module or object a
+# source holds): ``CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES`` on torch 2.13.0,
+# copied rather than imported (torch._dynamo.guards is not imported by a warm start; a test
+# compares the two).
+UNSAVABLE_GUARDS = frozenset({"DICT_VERSION", "NN_MODULE", "ID_MATCH", "FUNCTION_MATCH",
+                              "CLASS_MATCH", "MODULE_MATCH", "CLOSURE_MATCH", "WEAKREF_ALIVE"})
+
+
+def guard_kind(entry: Any) -> str:
+    """A GuardFilterEntry's kind: its own, or the first of the kinds it is made of that torch
+    cannot save (a guard made of a DICT_VERSION check, say), checked on torch 2.13.0. A type
+    check on an object of a class defined in a function (``<locals>``: torch's save refuses it
+    with a TypeError) is a CLASS_MATCH on ``type(<source>)``."""
+    if _local_type(entry):
+        return "CLASS_MATCH"
+    for kind in entry.derived_guard_types:
+        if kind in UNSAVABLE_GUARDS:
+            return str(kind)
+    return str(entry.guard_type)
+
+
+def hook_registrations() -> int:
+    """How many hooks were registered on any module (or anything else with a RemovableHandle)
+    in this process. Checked on torch 2.13.0: every ``register_*hook`` returns a
+    ``torch.utils.hooks.RemovableHandle``, whose ``__init__`` takes the class counter
+    ``next_id`` and increments it."""
+    return int(_RemovableHandle.next_id)
+
+
+def _local_type(entry: Any) -> bool:
+    return entry.guard_type == "TYPE_MATCH" and bool(entry.has_value) and (
+        "<locals>" in type(entry.value).__qualname__)
+
+
+def dropped_guard(entry: Any, parameter_guards: bool) -> str | None:
+    """Why the serving path leaves one of dynamo's guards (a GuardFilterEntry, checked on
+    torch 2.13.0) out of torch's saved guard tree, or None: torch keeps and checks it on every
+    call. The drop-list (docs/serving.md lists what re-checks each and the test that proves it):
+
+    * ``identity``: a guard kind torch cannot save (``UNSAVABLE_GUARDS``): npugraph_cache.guards
+      records it with a portable description and checks it on every call;
+    * ``globals``: a guard rooted at the function's globals (``G[...]``, a global tensor):
+      a loaded or aot-compiled function runs with a copy of its globals, which torch's tree
+      would check; npugraph_cache.guards checks the live globals on every call;
+    * ``parameter``: TENSOR_MATCH on an ``nn.Parameter`` with ``parameter_guards=False``: the
+      compiler's runtime checks every parameter's address and layout on each call (the
+      npugraph_ex capture manager), and the layouts are in the key;
+    * ``hooks``: a module's hooks dict that was empty (EMPTY_NN_MODULE_HOOKS_DICT, which
+      torch.compile skips by default, ``skip_nnmodule_hook_guards``): npugraph_cache.guards
+      checks them all again whenever a hook was registered anywhere since
+      (``hook_registrations``), one integer compare a call otherwise."""
+    if guard_kind(entry) in UNSAVABLE_GUARDS:
+        return "identity"
+    if entry.name.startswith("G[") or (entry.guard_type == "TENSOR_MATCH" and entry.is_global):
+        return "globals"
+    if entry.guard_type == "TENSOR_MATCH" and not parameter_guards and _is_parameter(entry):
+        return "parameter"
+    if entry.guard_type == "EMPTY_NN_MODULE_HOOKS_DICT":
+        return "hooks"
+    return None
+
+
 def portable_guard_filter(
     entries: Any,
     value_guards: Callable[[str, str, Any], str | None] | None = None,
-    recorded: list[str] | None = None,
+    recorded: list[tuple[str, str]] | None = None,
     parameter_guards: bool = True,
 ) -> list[bool]:
-    """torch.compile's ``guard_filter_fn`` (a public option; entries are GuardFilterEntry, checked
-    on torch 2.13.0): keep the guards that survive a save and a load in another process —
-    tensor dtype/device/shape/stride (TENSOR_MATCH), the dynamic-shape relations (SHAPE_ENV) and
-    the global state (GLOBAL_STATE: grad mode, autocast, default dtype, threads), like
-    ``torch.compiler.keep_portable_guards_unsafe``. Keeping any other guard makes torch 2.13 save
-    the frame's globals and dict-key-order guards (transformers models guard on pytree's
-    registry), which then fail to load. What the dropped guards protected is covered by the cache
-    key (Python values of the inputs, the module's repr, sources) and by the traced-source check
-    on load (``changed_sources``); the values the code read are recorded for ``guards``.
-
-    ``parameter_guards=False`` drops the TENSOR_MATCH guards on ``nn.Parameter`` values (entries
-    with ``has_value`` and ``value``; ~0.12 µs a tensor a call): for a compiler whose runtime
-    checks the parameters' addresses itself."""
+    """torch.compile's ``guard_filter_fn`` (a public option; entries are GuardFilterEntry,
+    checked on torch 2.13.0): keep every guard but those ``dropped_guard`` names. The values
+    the code read are recorded for npugraph_cache.guards (``(kind, source)`` pairs)."""
     if value_guards is not None and recorded is not None:
         for e in entries:
-            source = value_guards(e.guard_type, e.name, e.value if e.has_value else None)
+            kind = guard_kind(e)
+            name, value = e.name, e.value if e.has_value else None
+            if _local_type(e):
+                name, value = f"type({name})", type(value)
+            source = value_guards(kind, name, value)
             if source is not None:
-                recorded.append(source)
-    return [
-        e.guard_type in ("GLOBAL_STATE", "SHAPE_ENV")
-        or (
-            e.guard_type == "TENSOR_MATCH"
-            and not e.is_global
-            and (parameter_guards or not _is_parameter(e))
-        )
-        for e in entries
-    ]
+                recorded.append((kind, source))
+    return [dropped_guard(e, parameter_guards) is None for e in entries]
 
 
 def _is_parameter(entry: Any) -> bool:
@@ -256,56 +305,6 @@ def guard_checker(compiled: Any) -> Callable[[tuple[Any, ...], dict[str, Any]], 
     return positional
 
 
-_TENSOR_ARG_GUARDS = frozenset({"TENSOR_MATCH", "DIMENSION_DYNAMIC_MARKING_GUARD",
-                                "NO_TENSOR_ALIASING"})
-
-
-def plain_tensor_guards(
-    compiled: Any, args: tuple[Any, ...]
-) -> tuple[Callable[..., bool], Callable[[], bool]] | None:
-    """For the serving plan: one C++ check standing in for the kept guards of an entry whose
-    arguments (after ``self``) are plain tensors, or None where its guard tree holds anything else.
-    Checked on torch 2.13.0: the tree of ``_artifacts.guard_manager.root`` then has GLOBAL_STATE
-    at the root and, under one FrameLocalsGuardAccessor per tensor argument, TENSOR_MATCH,
-    DIMENSION_DYNAMIC_MARKING_GUARD and NO_TENSOR_ALIASING (object identity). The returned
-    ``(tensors_match(*args), state_matches())`` pair is ``TensorGuards`` built from ``args`` (the
-    same per-tensor check as TENSOR_MATCH: type, dispatch keys, dtype, device, requires_grad,
-    sizes, strides; it also refuses one tensor object passed twice) and a ``GlobalStateGuard``
-    of now (the state the tree's GLOBAL_STATE passed for this call). It does not re-check
-    ``torch._dynamo.mark_dynamic`` markings on a call's tensors; where it answers False the
-    caller asks the tree."""
-    from torch._C._dynamo import guards
-
-    root = getattr(getattr(getattr(compiled, "_artifacts", None), "guard_manager", None),
-                   "root", None)
-    if (root is None or not args or any(type(a) is not torch.Tensor for a in args)
-            or not all(hasattr(guards, n) for n in ("TensorGuards", "GlobalStateGuard"))):
-        return None
-    try:
-        names = [type(g).__name__ for g in root.get_leaf_guards()]
-        if names != ["GLOBAL_STATE"] or root.get_epilogue_lambda_guards():
-            return None
-        children = root.get_child_managers()
-        params = list(compiled._artifacts.signature.parameters)[1:]
-        if ([type(a).__name__ for a in root.get_accessors()] != (
-                ["FrameLocalsGuardAccessor"] * len(args)) or len(params) != len(args)
-                or sorted(c.get_source() for c in children) != sorted(f"L['{n}']" for n in params)):
-            return None
-        for child in children:
-            kinds = {type(g).__name__ for g in child.get_leaf_guards()}
-            if child.get_child_managers() or "TENSOR_MATCH" not in kinds or not kinds <= _TENSOR_ARG_GUARDS:
-                return None
-        sizes: Any = [list(a.shape) for a in args]  # per tensor (the stub says per dim)
-        strides: Any = [list(a.stride()) for a in args]
-        tensors = guards.TensorGuards(*args, dynamic_dims_sizes=sizes, dynamic_dims_strides=strides)
-        state = guards.GlobalStateGuard()
-        if not tensors.check(*args) or not state.check():
-            return None
-    except (AttributeError, TypeError, RuntimeError):
-        return None
-    return tensors.check, state.check
-
-
 def without_first_call_alias_check() -> Any:
     """Checked on torch 2.13.0: ``torch._functorch.config.check_custom_op_aliasing`` makes the
     first invocation of an AOT runtime wrapper run ``_AnalyzeCustomOpInputOutputMode`` over every
@@ -365,27 +364,15 @@ def is_seeded_op(target: object) -> bool:
     return False
 
 
-def state_writes(compiled: Any) -> tuple[str, ...]:
-    """What dynamo's transformed bytecode writes of the Python state with the structure of its
-    trace, described: a module global assigned or deleted (``global X; X += 1`` is replayed as a
-    ``STORE_GLOBAL`` of the traced value), a container updated in place (``self.hist.append(y)``
-    is replayed as ``self.hist[:] = [<the traced items>, y]``, a ``STORE_SUBSCR``). Checked on
-    torch 2.13.0: ``AOTCompiledFunction.fn`` runs with globals of its own (a copy made when it
-    was compiled or loaded), so a global write never reaches the user's module either. Anything
-    else (an uncached function, another torch) gives ``()``."""
-    import dis
-    import types
-
+def function_globals(compiled: Any) -> dict[str, Any] | None:
+    """The globals a compiled function runs with: checked on torch 2.13.0, an
+    ``AOTCompiledFunction``'s ``fn`` runs with a dict of its own (a copy made when it was
+    compiled or loaded, ``GraphRuntimeEnv.forward_callable``), so a global the traced code
+    assigns never reaches the user's module. None for anything else (an uncached function)."""
     fn = getattr(compiled, "fn", None)
-    if not isinstance(fn, types.FunctionType):
-        return ()
-    found: dict[str, None] = {}
-    for ins in dis.get_instructions(fn.__code__):
-        if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"):
-            found[f"assigns the global {ins.argval!r}"] = None
-        elif ins.opname in ("STORE_SUBSCR", "DELETE_SUBSCR", "STORE_SLICE", "DELETE_SLICE"):
-            found["updates a list or dict in place"] = None
-    return tuple(found)
+    own = getattr(fn, "__globals__", None)
+    return own if isinstance(own, dict) and type(compiled).__name__ == "AOTCompiledFunction" \
+        else None
 
 
 # --- dispatch.py: the backend's graph called without dynamo's transformed bytecode -------------

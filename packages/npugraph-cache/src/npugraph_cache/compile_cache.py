@@ -115,7 +115,7 @@ class FloatsSpecialised(Exception):
     accelerator (whose capture would keep the CPU scalar's value of the capture)."""
 
 
-def _guarded_by_torch() -> bool:
+def _guarded_by_torch(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """The value check of an entry torch.compile runs: dynamo guards those values itself."""
     return True
 
@@ -135,11 +135,12 @@ class _Entry:
     guards), the compiled function, and its direct-dispatch plan (None: through dynamo's
     bytecode) with the registration count it was made at."""
 
-    __slots__ = ("compiled", "direct", "guards_pass", "plain_guards", "registrations", "signature",
+    __slots__ = ("compiled", "direct", "guards_pass", "registrations", "signature",
                  "training", "values_match")
 
     def __init__(
-        self, signature: tuple[Any, ...], compiled: Any, values_match: Callable[[], bool],
+        self, signature: tuple[Any, ...], compiled: Any,
+        values_match: Callable[[tuple[Any, ...], dict[str, Any]], bool],
         guards_pass: Callable[[tuple[Any, ...], dict[str, Any]], bool], training: bool,
     ) -> None:
         self.signature = signature
@@ -150,8 +151,6 @@ class _Entry:
         self.values_match = values_match
         self.guards_pass = guards_pass
         self.direct: Direct | None = None
-        # the plan's own check of what the kept guards check (_compat.plain_tensor_guards)
-        self.plain_guards: tuple[Callable[..., bool], Callable[[], bool]] | None = None
         self.registrations = -1
 
 
@@ -201,9 +200,18 @@ class CacheCompiledFunction:
         self._miss_lock = threading.RLock()
         self._entries: list[_Entry] = []
         self._self_name: str = self._function.__code__.co_varnames[0]
+        self._signature = inspect.signature(self._function)
+        self._params = tuple(self._signature.parameters)
         self.entry_paths: list[Path] = []
         self.__wrapped__ = func
         self.__doc__ = getattr(func, "__doc__", None)
+
+    def _frame(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """The method's parameters' values for a call (the module first, defaults applied), as
+        dynamo's guards name them."""
+        bound = self._signature.bind(self._module, *args, **kwargs)
+        bound.apply_defaults()
+        return tuple(bound.arguments[p] for p in self._params)
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_detached, (getattr(self._function, "__qualname__", self.name),))
@@ -232,13 +240,11 @@ class CacheCompiledFunction:
         training = self._module.training
         for entry in self._entries:
             if (entry.signature != signature or entry.training is not training
-                    or not entry.values_match()):
+                    or not entry.values_match(args, kwargs)):
                 continue
             direct = entry.direct
             if direct is not None and entry.registrations == registrations() and not kwargs:
-                plain = entry.plain_guards  # one C++ check where the tree holds nothing else
-                if (plain is not None and plain[0](*args) and plain[1]()) or entry.guards_pass(
-                        (self._module, *args), kwargs):
+                if entry.guards_pass((self._module, *args), kwargs):
                     return direct(args)
                 continue
             call_args = (self._module, *args)
@@ -253,7 +259,8 @@ class CacheCompiledFunction:
         training = self._module.training
         for entry in self._entries:  # one another thread added while this one waited
             if (entry.signature == signature and entry.training is training
-                    and entry.values_match() and entry.guards_pass(call_args, kwargs)):
+                    and entry.values_match(args, kwargs)
+                    and entry.guards_pass(call_args, kwargs)):
                 return self._call_planning(entry, args, call_args, kwargs)
         try:
             compiled, guards, loaded = self._obtain(args, kwargs)
@@ -261,26 +268,47 @@ class CacheCompiledFunction:
             self._float_values = True
             signature = value_signature(args, kwargs, self.dynamic, True)
             compiled, guards, loaded = self._obtain(args, kwargs)
-        written = _compat.state_writes(compiled)
-        check = guards.checker(self._function.__globals__, self._module)
-        if written:
-            compiled = self._state_writer(written[0])
-            check = _guarded_by_torch
+        check = guards.checker(self._function.__globals__, self._module, self._frame)
         entry = _Entry(signature, compiled, check, _compat.guard_checker(compiled), training)
         self._entries.append(entry)
+        # the entry's own copy of its globals (a loaded or aot-compiled function's): what the
+        # first call assigns there is the user's state, as eager would have left it
+        own_globals = _compat.function_globals(compiled)
+        before = dict(own_globals) if own_globals is not None else {}
         if loaded:
             with _compat.without_first_call_alias_check():
                 out = compiled(*call_args, **kwargs)
         else:
             out = compiled(*call_args, **kwargs)
             self._finish_entry()
-        changed = None if written else guards.changed(self._function.__globals__, self._module)
+        changed = self._globals_assigned(before, own_globals) or guards.changed(
+            self._function.__globals__, self._frame(args, kwargs))
+        if changed is None and not entry.guards_pass(call_args, kwargs):
+            changed = "the call itself fails the guards it passed (an attribute or container " \
+                      "it read and updated)"
         if changed is not None:  # the call changed what the entry was traced with
             entry.compiled = self._state_writer(f"changed a value its graph was traced with "
                                                 f"({changed})")
             entry.values_match = _guarded_by_torch
             entry.guards_pass = _compat.guard_checker(entry.compiled)
         return out
+
+    def _globals_assigned(self, before: dict[str, Any],
+                          own_globals: dict[str, Any] | None) -> str | None:
+        """The globals of the method's module that its entry's first call assigned or deleted
+        in the entry's copy of them (``global STEP; STEP += 1``), written back to the module
+        (the first call's effect, as eager's), described; None when there are none."""
+        if own_globals is None:
+            return None
+        user = self._function.__globals__
+        assigned = [name for name in user
+                    if name in before and own_globals.get(name, before) is not before[name]]
+        for name in assigned:
+            if name in own_globals:
+                user[name] = own_globals[name]
+            else:
+                del user[name]
+        return f"assigns the global {assigned[0]!r}" if assigned else None
 
     def _state_writer(self, what: str) -> _Uncached:
         """A method that updates Python state it reads (``self.calls += 1``, a list it appends
@@ -315,12 +343,8 @@ class CacheCompiledFunction:
         entry.registrations = count
         result, probe = _compat.probe_call(entry.compiled, call_args)
         entry.direct = plan(self._module, args, probe, result)
-        entry.plain_guards = None
         if entry.direct is not None:
             bump("direct_plans")
-            entry.plain_guards = _compat.plain_tensor_guards(entry.compiled, args)
-            if entry.plain_guards is not None:
-                _compat.dynamo_counters()["npugraph_ex_serving"]["plain_guard_plans"] += 1
         return result
 
     def _finish_entry(self) -> None:
@@ -373,7 +397,7 @@ class CacheCompiledFunction:
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Any, ValueGuards, bool]:
         """(compiled, the value guards it must keep passing, whether it was loaded)."""
-        no_guards = ValueGuards(self._self_name, (), ())
+        no_guards = ValueGuards(self._self_name, (), (), self._params)
         if not _compat.has_aot_compile():
             warnings.warn(
                 f"npugraph_ex cache: torch {torch.__version__} has no aot_compile; {self.name} "
@@ -386,7 +410,7 @@ class CacheCompiledFunction:
         func_dir = self.func_dir
         call_args = (self._module, *args)
         reader = EntryReader(
-            self.store, self._self_name, self._function.__globals__, self._module, self._seed
+            self.store, self._self_name, self._function.__globals__, self._frame, self._seed
         )
         loaded = True
         try:
@@ -425,8 +449,9 @@ class CacheCompiledFunction:
     ) -> tuple[Any, ValueGuards]:
         backend = self.compile_fn(self.options, self.custom_decompositions)
         graph_code: list[str] = []
-        recorded: list[str] = []
+        recorded: list[tuple[str, str]] = []
         self_name = self._self_name
+        params = self._params
         qualname = getattr(self._function, "__qualname__", self.name)
 
         float_args = set() if self._float_values else self._float_arguments(args, kwargs)
@@ -450,7 +475,7 @@ class CacheCompiledFunction:
                 kwargs,
                 checked_backend,
                 self.dynamic,
-                value_guards=lambda kind, name, value: ValueGuards.kept(kind, name, self_name, value),
+                value_guards=lambda kind, name, value: ValueGuards.kept(kind, name, params, value),
                 recorded=recorded,
                 parameter_guards=self.parameter_guards,
                 specialize_float=not symbolic,
@@ -477,7 +502,7 @@ class CacheCompiledFunction:
             raise
         bump("compiled")
         guards = ValueGuards.from_recorded(
-            recorded, self_name, self._function.__globals__, self._module
+            recorded, params, self._function.__globals__, self._frame(args, kwargs)
         )
         readable = getattr(backend, "readable_code", None)
         metadata = {

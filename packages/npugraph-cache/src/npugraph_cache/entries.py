@@ -40,13 +40,13 @@ class EntryReader:
         store: CacheStore,
         self_name: str,
         function_globals: dict[str, Any],
-        module: object,
+        frame: Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, ...]],
         seed: Callable[[Path, Any], None],
     ) -> None:
         self.store = store
         self.no_guards = ValueGuards(self_name, (), ())
         self._globals = function_globals
-        self._module = module
+        self._frame = frame  # a call's (args, kwargs) -> the method's parameters' values
         self._seed = seed
         self.warned: set[str] = set()
         # why variants' value guards failed (for the one warning of a recompile)
@@ -80,7 +80,7 @@ class EntryReader:
         except FormatError as exc:
             self.reject(f"npugraph_ex cache: ignoring {path}: {exc}; recompiling")
             return "broken", None, none
-        changed_value = guards.mismatch(self._globals, self._module)
+        changed_value = guards.mismatch(self._globals, self._frame(call_args[1:], kwargs))
         if changed_value is not None:
             if changed_value not in self.stale:
                 self.stale.append(changed_value)

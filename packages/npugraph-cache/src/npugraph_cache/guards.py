@@ -32,19 +32,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from npugraph_cache import dispatch
+from npugraph_cache import _compat, dispatch
 from npugraph_cache.errors import FormatError
 
-VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH"})
-# BUILTIN_MATCH: a C function (``self.act = F.gelu``, ``ACT = torch.tanh``); CLASS_MATCH: a class
-FUNCTION_GUARDS = frozenset({"BUILTIN_MATCH", "CLASS_MATCH", "CLOSURE_MATCH", "FUNCTION_MATCH"})
-_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+# value guards torch keeps, recorded too for the check before an entry is unpickled (a warning
+# naming the value) and after its first call; BUILTIN_MATCH: a C function (``self.act = F.gelu``)
+VALUE_GUARDS = frozenset({"CONSTANT_MATCH", "EQUALS_MATCH", "BUILTIN_MATCH"})
+# the identities torch cannot save (which function, class, enum member or object a name holds)
+IDENTITY_GUARDS = _compat.UNSAVABLE_GUARDS
 _MAX_DEPTH = 8
 # modules and builtins dicts dynamo itself puts into the globals while tracing (absent in a
 # process that loads)
 _DYNAMO_IMPORTS = ("['__import_", "['__builtins_dict_")
 _ENVIRON = "__import__('os').environ"
-_IDENTITY_GUARDS = frozenset({"BUILTIN_MATCH", "CLASS_MATCH", "ID_MATCH"})
 _BARE_GLOBAL = re.compile(r"G\['[^']+'\]\Z")
 _SCALARS = frozenset({"NoneType", "bool", "int", "float", "str"})
 
@@ -64,26 +64,32 @@ def describe(value: Any, depth: int = 0) -> Any:
         return (type(value).__name__, tuple(describe(v, depth + 1) for v in items))
     qualname = getattr(value, "__qualname__", None)
     if callable(value) and isinstance(qualname, str):
-        return ("function", str(getattr(value, "__module__", "")), qualname)
+        # the code too: two lambdas (or two closures of one factory) share a qualified name
+        code = getattr(value, "__code__", None)
+        digest = "" if code is None else hashlib.sha256(
+            code.co_code + repr(code.co_consts).encode()).hexdigest()[:16]
+        return ("function", str(getattr(value, "__module__", "")), qualname, digest)
     return ("repr", repr(value))
 
 
-def _rooted(name: str, self_name: str) -> bool:
+def _names(source: str) -> set[str] | None:
+    try:
+        tree = ast.parse(source, mode="eval")
+    except SyntaxError:
+        return None
+    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+
+
+def _rooted(name: str, params: Sequence[str]) -> bool:
     """Whether a guard's source is an expression over the module's globals (``G``) and the
-    module (``self.eps``, ``dict(type(self).__dict__)['SCALE']`` for a class attribute) only,
-    without the globals dynamo itself adds while tracing."""
+    method's parameters only (``self.eps``, ``p.temperature``, ``type(fn).__call__``), without
+    the globals dynamo itself adds while tracing."""
     if any(part in name for part in _DYNAMO_IMPORTS):
         return False
-    try:
-        tree = ast.parse(name, mode="eval")
-    except SyntaxError:
+    names = _names(name)
+    if names is None:
         return False
-    names = {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
-    return bool(names & {"G", self_name}) and names <= {"G", self_name, *dir(builtins)}
-
-
-def _portable(desc: Any) -> bool:
-    return not (desc[0] == "repr" and _ADDRESS.search(desc[1]))
+    return bool(names & {"G", *params}) and names <= {"G", *params, *dir(builtins)}
 
 
 def _from_json(value: Any) -> Any:
@@ -92,57 +98,85 @@ def _from_json(value: Any) -> Any:
     return value
 
 
+Frame = tuple[Any, ...]  # the method's parameters' values for one call, the module first
+
+
 @dataclass(frozen=True)
 class ValueGuards:
     """``sources`` are Python expressions over ``G`` (the function's globals) and the method's
-    first parameter (the module); ``expected`` the description of each value at compile time."""
+    parameters ``params`` (the module first); ``expected`` the description of each value at
+    compile time; ``every_call`` which of them this package checks on every call (those rooted
+    at the globals and the identity guards: what torch's saved guard tree does not check;
+    the others torch checks on every call and are here for the checks before an entry is
+    unpickled and after its first call)."""
 
     self_name: str
     sources: tuple[str, ...]
     expected: tuple[Any, ...]
+    params: tuple[str, ...] = ()
+    every_call: tuple[bool, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.params:
+            object.__setattr__(self, "params", (self.self_name,))
+        if len(self.every_call) != len(self.sources):
+            object.__setattr__(self, "every_call", tuple(
+                s.startswith("G[") or s == _ENVIRON for s in self.sources))
 
     @staticmethod
-    def kept(guard_type: str, name: str, self_name: str, value: Any = None) -> str | None:
-        """The source to keep for one of dynamo's guards, or None. ``value``: the guarded
-        value; an identity guard (ID_MATCH) is kept for an enum member (``self.kind =
-        Kind.CAUSAL``), which is described portably by class and name. ``os.environ`` read by
-        the traced code (``os.environ.get("FLAG")``) has no guard on its values in torch (a
-        type check only): that check is kept as one on the whole environment (however the
-        code imported os), so a process started with other variables does not load the
-        entry."""
+    def kept(guard_type: str, name: str, params: Sequence[str], value: Any = None) -> str | None:
+        """The source to record for one of dynamo's guards, or None. Recorded: every guard
+        rooted at the globals (torch would check a copy of them made when the entry was
+        compiled or loaded: ``GLOBALS``), every identity guard (torch cannot save them:
+        ``IDENTITY_GUARDS``), and the value guards on the module and the arguments (checked
+        before an entry is unpickled and after its first call; torch checks them on every
+        call). ``params``: the method's parameter names, the module's first. ``os.environ``
+        read by the traced code (``os.environ.get("FLAG")``) has no guard on its values in
+        torch (a type check only): that check is kept as one on the whole environment
+        (however the code imported os), so a process started with other variables does not
+        load the entry."""
         if guard_type == "TYPE_MATCH" and value is os.environ:
             return _ENVIRON
-        if guard_type == "ID_MATCH":
-            if not isinstance(value, enum.Enum):
-                return None
-        elif guard_type not in VALUE_GUARDS | FUNCTION_GUARDS:
+        if guard_type == "EMPTY_NN_MODULE_HOOKS_DICT":  # re-checked after a hook registration
+            return f"len({name})" if _rooted(name, params) else None
+        rooted_at_globals = name.startswith("G[")
+        if not (rooted_at_globals or guard_type in IDENTITY_GUARDS | VALUE_GUARDS):
             return None
-        if guard_type in _IDENTITY_GUARDS and name.startswith("G[") and not _BARE_GLOBAL.match(name):
+        if (guard_type in IDENTITY_GUARDS or guard_type == "BUILTIN_MATCH") and (
+                rooted_at_globals and not _BARE_GLOBAL.match(name)):
             # ``G['torch'].relu``: a library's own function, fixed by the versions in the key;
             # a global is checked on every call, so only ``ACT = torch.tanh`` itself is kept
             return None
-        return name if _rooted(name, self_name) else None
+        return name if _rooted(name, params) else None
 
     @classmethod
     def from_recorded(
-        cls, names: Sequence[str], self_name: str, f_globals: dict[str, Any], module: Any
+        cls, recorded: Sequence[tuple[str, str]], params: Sequence[str],
+        f_globals: dict[str, Any], frame: Frame,
     ) -> ValueGuards:
-        """The recorded guard sources that evaluate here, with the values they have now (right
-        after tracing, the values dynamo specialised on)."""
+        """The recorded ``(guard kind, source)`` pairs that evaluate here, with the values they
+        have now (right after tracing, the values dynamo specialised on)."""
         sources: list[str] = []
         expected: list[Any] = []
-        for name in dict.fromkeys(names):
+        every: list[bool] = []
+        for kind, name in dict.fromkeys(recorded):
+            if name in sources:
+                if kind in IDENTITY_GUARDS:
+                    every[sources.index(name)] = True
+                continue
             try:
-                value = _evaluator(self_name, (name,))(f_globals, module)[0]
+                value = _evaluator(params, (name,))(f_globals, *frame)[0]
             except Exception:  # an expression of dynamo's own helpers: not ours to evaluate
                 continue
-            if _portable(value):
-                sources.append(name)
-                expected.append(value)
-        return cls(self_name, tuple(sources), tuple(expected))
+            sources.append(name)
+            expected.append(value)
+            every.append(name.startswith("G[") or name == _ENVIRON or kind in IDENTITY_GUARDS)
+        return cls(params[0], tuple(sources), tuple(expected), tuple(params), tuple(every))
 
     def to_json(self) -> dict[str, Any]:
-        return {"self": self.self_name, "sources": list(self.sources), "expected": list(self.expected)}
+        return {"self": self.self_name, "params": list(self.params),
+                "sources": list(self.sources), "expected": list(self.expected),
+                "every_call": list(self.every_call)}
 
     @classmethod
     def from_json(cls, data: Any) -> ValueGuards:
@@ -153,38 +187,58 @@ class ValueGuards:
             isinstance(data, dict)
             and isinstance(data.get("self"), str)
             and data["self"].isidentifier()
+            and isinstance(data.get("params"), list)
+            and all(isinstance(p, str) and p.isidentifier() for p in data["params"])
+            and data["params"][:1] == [data["self"]]
             and isinstance(data.get("sources"), list)
             and isinstance(data.get("expected"), list)
-            and len(data["sources"]) == len(data["expected"])
+            and isinstance(data.get("every_call"), list)
+            and len(data["sources"]) == len(data["expected"]) == len(data["every_call"])
             and all(isinstance(s, str) for s in data["sources"])
+            and all(isinstance(e, bool) for e in data["every_call"])
         )
         if not ok:
             raise FormatError("value_guards metadata is malformed")
-        return cls(data["self"], tuple(data["sources"]), _from_json(data["expected"]))
+        return cls(data["self"], tuple(data["sources"]), _from_json(data["expected"]),
+                   tuple(data["params"]), tuple(data["every_call"]))
 
-    def checker(self, f_globals: dict[str, Any], module: Any) -> Callable[[], bool]:
-        """A cheap check for every call: True when every global (and closure cell), and every
-        module's ``training`` flag the code read, still has its description. Other module
-        attributes are checked when an entry is selected (``mismatch``) but not on every call:
-        they are one per layer (a 12-layer Llama has ~250) and would cost ~100 µs a call. The
-        fast path compares the raw values with those last seen to match (a tuple compare,
-        identity first); only when that differs are the values described and compared."""
-        modes = self._mode_check(module)
-        picked = [i for i, source in enumerate(self.sources) if source.startswith("G[")]
+    def checker(
+        self, f_globals: dict[str, Any], module: Any, bind: Callable[..., Frame],
+    ) -> Callable[[tuple[Any, ...], dict[str, Any]], bool]:
+        """The check for every call ``check(args, kwargs)``: True when every value torch's saved
+        guards do not check (``every_call``: the globals, and the identities of functions,
+        classes and enum members the code read, on the module or an argument) and every
+        module's ``training`` flag the code read still has its description. The fast path
+        compares the raw values with those last seen to match (a tuple compare, identity
+        first); only when that differs are the values described and compared. The
+        arguments are bound to the method's parameters (``bind(args, kwargs)``) only where a
+        checked source reads one."""
+        flags = self._mode_check(module)
+        hooks = self._hooks_check(f_globals, module, bind)
+        modes = flags
+        if hooks is not None:
+            modes = hooks if flags is None else (
+                lambda args, kwargs: hooks(args, kwargs) and flags(args, kwargs))
+        picked = [i for i, every in enumerate(self.every_call) if every]
         if not picked:
             return modes or _always
         sources = [self.sources[i] for i in picked]
-        raw = _evaluator(self.self_name, sources, described=False)
-        described = _evaluator(self.self_name, sources)
+        module_only = all((_names(s) or set()) <= {"G", self.self_name, *dir(builtins)}
+                          for s in sources)
+        params = (self.self_name,) if module_only else self.params
+        raw = _evaluator(params, sources, described=False)
+        described = _evaluator(params, sources)
         expected = tuple(self.expected[i] for i in picked)
         seen: list[Any] = [None]
+        frame = (module,)
 
-        def check() -> bool:
+        def check(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
             try:
-                values = raw(f_globals, module)
+                at = frame if module_only else bind(args, kwargs)
+                values = raw(f_globals, *at)
                 if values == seen[0]:
                     return True
-                if described(f_globals, module) != expected:
+                if described(f_globals, *at) != expected:
                     return False
             except Exception:  # a global or attribute that is gone: not the traced value
                 return False
@@ -193,9 +247,9 @@ class ValueGuards:
 
         if modes is None:
             return check
-        return lambda: check() and modes()
+        return lambda args, kwargs: check(args, kwargs) and modes(args, kwargs)
 
-    def _mode_check(self, module: Any) -> Callable[[], bool] | None:
+    def _mode_check(self, module: Any) -> Callable[[tuple[Any, ...], dict[str, Any]], bool] | None:
         """The ``training`` flags the code read (``if self.training``, BatchNorm, dropout),
         checked on every call: ``model.norm.train()`` or ``model.drop.eval()`` alone is an
         ordinary thing to do in a running process. Read from the module objects, which are
@@ -205,13 +259,13 @@ class ValueGuards:
         picked = [i for i, source in enumerate(self.sources) if _is_mode(source, self.self_name)]
         if not picked:
             return None
-        owners = _evaluator(self.self_name,
+        owners = _evaluator((self.self_name,),
                             [self.sources[i][: -len(_MODE)] for i in picked], described=False)
         want = tuple(self.expected[i][1] for i in picked)
         counted = dispatch.count_registrations()
         held: list[Any] = [-1, ()]  # (registration count, the modules)
 
-        def modes() -> bool:
+        def modes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
             count = dispatch.registrations()
             if count != held[0] or not counted:
                 try:
@@ -223,11 +277,44 @@ class ValueGuards:
 
         return modes
 
-    def mismatch(self, f_globals: dict[str, Any], module: Any) -> str | None:
+    def _hooks_check(
+        self, f_globals: dict[str, Any], module: Any, bind: Callable[..., Frame],
+    ) -> Callable[[tuple[Any, ...], dict[str, Any]], bool] | None:
+        """The hooks dicts that were empty when the entry was traced (the module's, its
+        submodules', a module argument's), all evaluated again only when a hook was registered
+        anywhere in the process since they last passed (``_compat.hook_registrations``): one
+        integer compare a call otherwise."""
+        picked = [i for i, source in enumerate(self.sources) if _is_hooks(source)]
+        if not picked:
+            return None
+        sources = [self.sources[i] for i in picked]
+        module_only = all((_names(s) or set()) <= {"G", self.self_name, *dir(builtins)}
+                          for s in sources)
+        params = (self.self_name,) if module_only else self.params
+        lengths = _evaluator(params, sources, described=False)
+        empty = (0,) * len(sources)
+        held = [-1]
+
+        def hooks(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+            count = _compat.hook_registrations()
+            if count == held[0] and module_only:
+                return True
+            try:
+                at = (module,) if module_only else bind(args, kwargs)
+                if lengths(f_globals, *at) != empty:
+                    return False
+            except Exception:  # a submodule that is gone: not the traced module
+                return False
+            held[0] = count
+            return True
+
+        return hooks
+
+    def mismatch(self, f_globals: dict[str, Any], frame: Frame) -> str | None:
         """The first value that differs, described for a warning; None when all match."""
         for source, want in zip(self.sources, self.expected, strict=True):
             try:
-                got = _evaluator(self.self_name, (source,))(f_globals, module)[0]
+                got = _evaluator(self.params, (source,))(f_globals, *frame)[0]
             except Exception as exc:
                 return f"{source} cannot be read now ({type(exc).__name__}), was {_show(want)}"
             if got != want and got[0] == want[0] == "environ":
@@ -237,17 +324,17 @@ class ValueGuards:
                 return f"{source} is {_show(got)}, was {_show(want)} when compiled"
         return None
 
-    def changed(self, f_globals: dict[str, Any], module: Any) -> str | None:
+    def changed(self, f_globals: dict[str, Any], frame: Frame) -> str | None:
         """``mismatch`` in one evaluation of every source when nothing differs (the common
         case, checked once after an entry's first call)."""
         if not self.sources:
             return None
         try:
-            if _evaluator(self.self_name, self.sources)(f_globals, module) == self.expected:
+            if _evaluator(self.params, self.sources)(f_globals, *frame) == self.expected:
                 return None
         except Exception:  # mismatch names the value that cannot be read
             pass
-        return self.mismatch(f_globals, module)
+        return self.mismatch(f_globals, frame)
 
 
 _MODE = ".training"
@@ -259,7 +346,11 @@ def _is_mode(source: str, self_name: str) -> bool:
     return source.endswith(_MODE) and source.startswith(f"{self_name}.")
 
 
-def _always() -> bool:
+def _is_hooks(source: str) -> bool:
+    return source.startswith("len(") and source.endswith("hooks)")
+
+
+def _always(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return True
 
 
@@ -291,12 +382,13 @@ def _show(desc: Any) -> str:
 
 
 def _evaluator(
-    self_name: str, sources: Sequence[str], described: bool = True
-) -> Callable[[dict[str, Any], Any], Any]:
-    """``lambda G, <self_name>: (describe(<source>), ...)`` compiled once (without
-    ``describe``: the raw values)."""
+    params: Sequence[str], sources: Sequence[str], described: bool = True
+) -> Callable[..., Any]:
+    """``lambda G, <params>: (describe(<source>), ...)`` compiled once (without ``describe``:
+    the raw values)."""
     body = ", ".join(f"___describe({s})" if described else s for s in sources)
-    code = compile(f"lambda G, {self_name}: ({body},)", "<npugraph_cache value guards>", "eval")
+    code = compile(f"lambda G, {', '.join(params)}: ({body},)", "<npugraph_cache value guards>",
+                   "eval")
     namespace = {"___describe": describe, "__builtins__": builtins}
-    fn: Callable[[dict[str, Any], Any], Any] = eval(code, namespace)  # our own sources
+    fn: Callable[..., Any] = eval(code, namespace)  # our own sources
     return fn
