@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import warnings
 from collections.abc import Callable
@@ -13,10 +14,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from npugraph_runtime.devices import backend_for
+from npugraph_runtime.errors import CaptureError
 
 # replays against eager at rtol=0 (replay kernels chosen by a bitwise check): nox -s ci reruns
 # them under a second kernel variant
 pytestmark = pytest.mark.numerics
+AssertSame = Callable[[Any, Any], None]
 
 
 def capture(fn: Callable[..., Any], *args: Any, **graph_kwargs: Any) -> tuple[Any, Any]:
@@ -461,3 +464,70 @@ def test_capture_end_from_another_thread_is_refused() -> None:
     g.capture_end()  # still capturing here: ends normally
     g.replay()
     torch.testing.assert_close(y, x + 1)
+
+
+def test_hand_capture_replays_after_its_locals_died_and_in_another_thread(assert_same: AssertSame) -> None:
+    def build() -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+        w = torch.randn(8, 8)
+        x = torch.randn(4, 8)
+        g = ngr.Graph("cpu")
+        with ngr.graph(g):
+            out = (x @ w).relu() + w.sum()
+        return g, x, out, w.clone()
+
+    g, x, out, w = build()
+    gc.collect()
+    for _ in range(2):
+        x.copy_(torch.randn(4, 8))
+        g.replay()
+        assert_same(out, (x @ w).relu() + w.sum())
+    results: list[bool] = []
+
+    def work() -> None:
+        x.copy_(torch.randn(4, 8))
+        g.replay()
+        results.append(torch.equal(out, (x @ w).relu() + w.sum()))
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert results == [True]
+
+
+def test_boolean_mask_indexing_is_refused() -> None:
+    x, g = torch.randn(8), ngr.Graph("cpu")
+    with pytest.raises(CaptureError, match="output shape that depends on the data"), ngr.graph(g):
+        _ = x[x > 0] * 2
+
+
+@pytest.mark.parametrize(
+    ("fn", "what"),
+    [
+        (lambda x: x * x.tolist()[0], r"Tensor\.tolist"),
+        (lambda x: x * float(x.numpy()[0]), r"Tensor\.numpy"),
+        (lambda x: x * len(repr(x[0])), r"Tensor\.__repr__"),
+        (lambda x: x + torch.tensor([x[0], x[1], 0, 0, 0, 0]), r"torch\.tensor\(\) of a list"),
+    ],
+    ids=["tolist", "numpy", "repr", "tensor_of_elements"],
+)
+def test_host_reads_that_bypass_dispatch_are_refused(fn: Callable[[torch.Tensor], Any], what: str) -> None:
+    """On the CPU these read values without an ATen op: replays would silently repeat them."""
+    x = torch.randn(6)
+    kept = x.clone()
+    g = ngr.Graph("cpu")
+    with pytest.raises(CaptureError, match=what + ".*reads tensor values on the host"), ngr.graph(g):
+        fn(x)
+    assert torch.equal(x, kept)
+    with pytest.raises(CaptureError, match="holds no capture"):
+        g.replay()
+
+
+def test_host_read_in_relaxed_mode_warns_and_repeats_the_captured_value(assert_same: AssertSame) -> None:
+    x = torch.randn(6)
+    first = x.tolist()[0]
+    g = ngr.Graph("cpu")
+    with pytest.warns(UserWarning, match=r"Tensor\.tolist"), ngr.graph(g, capture_error_mode="relaxed"):
+        out = x * x.tolist()[0]
+    x.copy_(torch.randn(6))
+    g.replay()
+    assert_same(out, x * first)

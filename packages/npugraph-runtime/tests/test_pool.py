@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import gc
+import random
 from collections.abc import Callable
+from typing import Any
 
 import npugraph_runtime as ngr
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+AssertSame = Callable[[Any, Any], None]
 
 
 def _capture_into(model: torch.nn.Module, x: torch.Tensor, pool: object) -> tuple[object, torch.Tensor]:
@@ -176,3 +181,100 @@ def test_dropped_graph_gives_its_blocks_back(small_mlp: torch.nn.Module) -> None
     del big
     assert ngr.pool_bytes(pool) == 0
     keeper.replay()
+
+
+def _graph_a(x: torch.Tensor) -> torch.Tensor:
+    h = torch.relu(x @ x.t()) * 3
+    return h.exp().log1p().sum(0) + 1
+
+
+def _graph_b(y: torch.Tensor) -> torch.Tensor:
+    z = (y * 7).sin()
+    return (z.cumsum(0) * z).tanh()
+
+
+def test_a_graphs_output_survives_another_graph_of_its_pool(assert_same: AssertSame) -> None:
+    pool = ngr.graph_pool_handle("cpu")
+    xa, xb = torch.randn(16, 16), torch.randn(16, 16)
+    ga, gb = ngr.Graph("cpu"), ngr.Graph("cpu")
+    with ngr.graph(ga, pool=pool):
+        out_a = _graph_a(xa)
+    with ngr.graph(gb, pool=pool):
+        out_b = _graph_b(xb)
+    assert ngr.pool_bytes(pool) > 0
+    for _ in range(4):
+        xa.copy_(torch.randn(16, 16))
+        xb.copy_(torch.randn(16, 16))
+        ga.replay()
+        kept = out_a.clone()
+        gb.replay()
+        assert torch.equal(out_a, kept)
+        assert_same(out_a, _graph_a(xa))
+        assert_same(out_b, _graph_b(xb))
+
+
+def _shaped(x: torch.Tensor) -> torch.Tensor:
+    return ((x * 2).softmax(-1) @ x.t()).relu().sum(-1)
+
+
+def test_many_shapes_in_one_pool_replayed_in_random_order_and_after_resets(assert_same: AssertSame) -> None:
+    rng = random.Random(0)
+    pool = ngr.graph_pool_handle("cpu")
+    graphs = []
+    for n in (3, 7, 16, 5, 32, 1):
+        x = torch.randn(n, n + 1)
+        g = ngr.Graph("cpu")
+        with ngr.graph(g, pool=pool):
+            out = _shaped(x)
+        graphs.append((g, x, out))
+
+    def replay_some(indices: list[int], times: int) -> None:
+        for _ in range(times):
+            g, x, out = graphs[rng.choice(indices)]
+            x.copy_(torch.randn_like(x))
+            g.replay()
+            assert_same(out, _shaped(x))
+
+    replay_some(list(range(6)), 30)
+    graphs[1][0].reset()
+    graphs[4][0].reset()
+    gc.collect()
+    replay_some([0, 2, 3, 5], 15)
+    for n in (9, 40):  # new captures reuse the pool the resets freed
+        x = torch.randn(n, n + 1)
+        g = ngr.Graph("cpu")
+        with ngr.graph(g, pool=pool):
+            out = _shaped(x)
+        graphs.append((g, x, out))
+    replay_some([0, 2, 3, 5, 6, 7], 30)
+
+
+def test_a_graph_replayed_inside_another_capture_of_its_pool(assert_same: AssertSame) -> None:
+    """The outer capture records the inner graph's replay, which uses the inner graph's blocks
+    of the shared pool: the outer graph's own intermediates must not be placed over them."""
+    pool = ngr.graph_pool_handle("cpu")
+    inner = ngr.make_graphed_callable(lambda x: (x.sin() * 3).exp().sum(0), [torch.randn(8, 8)],
+                                      pool=pool)
+
+    def outer_fn(y: torch.Tensor) -> torch.Tensor:
+        return ((y.cos() * 5) + 1) * inner(y * 2) + y.cos()
+
+    outer = ngr.make_graphed_callable(outer_fn, [torch.randn(8, 8)], pool=pool)
+    for _ in range(4):
+        y = torch.randn(8, 8)
+        assert_same(outer(y), outer_fn(y))
+
+
+def test_an_output_of_one_key_survives_calls_of_other_keys_sharing_the_pool(assert_same: AssertSame) -> None:
+    """CPU graphs never place outputs in the pool: a key's static output changes only when that
+    key replays again."""
+    fn = ngr.make_graphed_callable(_shaped, [torch.randn(3, 4)])
+    x3 = torch.randn(3, 4)
+    fn(x3)
+    out3 = fn(x3)
+    kept = out3.clone()
+    for rows in (5, 7, 5, 9):
+        x = torch.randn(rows, 4)
+        assert_same(fn(x), _shaped(x))
+        assert torch.equal(out3, kept)
+    assert fn.num_captures == 4

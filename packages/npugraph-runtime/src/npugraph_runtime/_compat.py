@@ -27,7 +27,7 @@ def mark_side_effectful(op: Any) -> None:
         fx_node._side_effectful_functions.add(op)
 
 
-# --- manager.py: counters, batched copies and address checks on the replay path ----------------
+# --- the capture manager: counters, batched copies and address checks on the replay path ----------
 def npugraph_ex_counters() -> collections.Counter[str]:
     """Checked on torch 2.13.0 and 2.11: ``torch._dynamo.utils.counters`` is a
     ``defaultdict(Counter)``; without dynamo a process-local Counter stands in."""
@@ -183,7 +183,7 @@ def higher_order_body(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     return lambda: kernel(*args, **kwargs)
 
 
-# --- manager.py: profiler ranges only while a profiler records ------------------------------------
+# --- bindings.py: profiler ranges only while a profiler records -----------------------------------
 # torch.autograd.profiler._is_profiler_enabled: a module global every torch profiler sets on start
 # and clears on stop, so the hot path pays one attribute read. Checked on torch 2.13.0 (present
 # since 1.13); fallback: the C query, slower but correct.

@@ -8,7 +8,7 @@ The bindings are a closed set:
 * ``COPY_IN``: the caller's tensor is copied into the capture's buffer before the replay (user
   inputs; only when its address changed, unless ``clone_input``);
 * ``COPY_IN_OUT``: copied into a buffer of the key's own before the replay and back after it (a
-  mutated or static input new on every call): the key's copied run (copied_inputs.py) wraps the
+  mutated or static input new on every call): the key's copied run (misses.py, over copied_inputs.py's buffers) wraps the
   closure of a capture made over those buffers;
 * ``MIRROR``: the caller's whole storage is mirrored into the buffer (an input the graph reads
   through ``as_strided``).
@@ -53,7 +53,7 @@ class Binding(enum.Enum):
 
 def slot_bindings(slots: Slots, cap: Capture) -> dict[int, Binding]:
     """The binding of each tensor slot of ``cap``. A key that copies inputs in and out
-    (COPY_IN_OUT) runs its captures on its own buffers, which they see PINNED: copied_inputs.py's
+    (COPY_IN_OUT) runs its captures on its own buffers, which they see PINNED: the copied run's
     wrapper around the closure does the copies."""
     bindings = {i: Binding.PINNED for i in (*slots.static, *slots.mutated)}
     bindings.update({i: Binding.MIRROR if i in cap.mirrored else Binding.COPY_IN for i in slots.user})

@@ -1,7 +1,7 @@
 """Making one capture: the arguments and buffers it runs on, the warmup, the capture itself.
 
-Everything here runs once per capture, never on a replay; manager.py turns what it makes into
-the replay closure."""
+Everything here runs once per capture, never on a replay; capture_set.py turns what it makes
+into the replay closure (bindings.py)."""
 
 from __future__ import annotations
 

@@ -41,7 +41,8 @@ from npugraph_runtime.devices.cpu_pool import (
     cpu_pool_bytes,
     new_cpu_pool_handle,
 )
-from npugraph_runtime.devices.cpu_recorder import Recorder, TensorEntry
+from npugraph_runtime.devices.cpu_record import TensorEntry
+from npugraph_runtime.devices.cpu_recorder import Recorder
 from npugraph_runtime.devices.cpu_replay import generate
 from npugraph_runtime.devices.cpu_streams import (
     CpuEvent,

@@ -13,7 +13,7 @@ from typing import Any
 
 from npugraph_runtime import _compat
 from npugraph_runtime.devices.cpu import CpuGraph
-from npugraph_runtime.devices.cpu_kernels import Kind
+from npugraph_runtime.devices.cpu_candidates import Kind
 from npugraph_runtime.devices.cpu_replay import _Resolver
 from npugraph_runtime.errors import CaptureError
 from npugraph_runtime.schema import overload_name

@@ -35,209 +35,35 @@ same overload, argument dtypes, shapes, strides, layouts, devices and constants 
 with every candidate it names available here. Those fix which kernel code runs, so the bitwise
 check the deciding process made on its capture's data holds here as it would for a recapture
 there. Anything else (another build or thread count, a signature not in the seed, a label this
-torch lacks, a seed not vouched for) is verified on the capture's data as before."""
+torch lacks, a seed not vouched for) is verified on the capture's data as before.
+
+The candidates themselves and their bitwise check live in cpu_candidates.py."""
 
 from __future__ import annotations
 
-import enum
 import platform
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import cache, partial
 from operator import itemgetter
 from typing import Any
 
 import torch
 
 from npugraph_runtime import _compat
-
-# re-exported: the recorder reads them from here (the schema helpers live in the neutral schema.py)
-from npugraph_runtime.schema import overload_name as overload_name
-from npugraph_runtime.schema import write_positions as write_positions
-
-
-class Kind(enum.Enum):
-    SKIP = "skip"  # views, allocations, ops with no tensor result: nothing to do at replay
-    OUT_PUBLIC = "out_public"  # binding(*args, out=outs)
-    OUT_OVERLOAD = "out_overload"  # overload_out._op(*args, out0=..., ...)
-    COPY = "copy"  # out.copy_(op(*args))
-    INPLACE_METHOD = "inplace_method"  # self.method(*args[1:])
-    AS_IS = "as_is"  # op(*args) re-issued unchanged (mutating ops), fresh results copied
-    COLLECTIVE = "collective"  # c = op(*args), waited and copied into place at its wait
-    COLLECTIVE_WAIT = "collective_wait"  # wait_tensor where the graph waits (cpu_collectives)
-    FROZEN = "frozen"  # unsafe op under "relaxed": copy the captured values back
-    COPY_INTO = "copy_into"  # out.copy_(source(args)): the op's result is a copy of one input
-
-
-_ALLOCATIONS = frozenset(
-    {
-        "aten::empty.memory_format",
-        "aten::empty_strided",
-        "aten::empty_like",
-        "aten::new_empty",
-        "aten::new_empty_strided",
-    }
+from npugraph_runtime.devices.cpu_candidates import (
+    Candidate,
+    Kind,
+    Outs,
+    out_overload,
+    public_binding,
+    single_tensor_returns,
+    verified,
 )
 
-
-def is_allocation(func: Any) -> bool:
-    return overload_name(func) in _ALLOCATIONS
-
-
-def single_tensor_returns(func: Any) -> bool:
-    returns = _compat.op_schema(func).returns
-    return len(returns) > 0 and all(str(r.type) == "Tensor" for r in returns)
-
-
-@cache
-def public_binding(namespace: str, name: str) -> Callable[..., Any] | None:
-    if namespace != "aten":
-        return None
-    for module in _compat.public_op_namespaces():
-        fn = getattr(module, name, None)
-        if fn is not None:
-            return fn  # type: ignore[no-any-return]
-    return None
-
-
-@cache
-def _out_overload_of(func: Any) -> tuple[Callable[..., Any], tuple[str, ...]] | None:
-    schema = _compat.op_schema(func)
-    want = [(a.name, str(a.type)) for a in schema.arguments]
-    packet = func.overloadpacket
-    for name in packet.overloads():
-        candidate = getattr(packet, name)
-        cs = _compat.op_schema(candidate)
-        outs = [a for a in cs.arguments if a.alias_info is not None and a.alias_info.is_write]
-        rest = [
-            (a.name, str(a.type))
-            for a in cs.arguments
-            if a.alias_info is None or not a.alias_info.is_write
-        ]
-        if (
-            outs
-            and all(a.kwarg_only for a in outs)
-            and len(outs) == len(schema.returns)
-            and rest == want
-        ):
-            return _compat.op_entry(candidate), tuple(a.name for a in outs)
-    return None
-
-
-def out_overload(func: Any) -> tuple[Callable[..., Any], tuple[str, ...]] | None:
-    try:
-        return _out_overload_of(func)
-    except Exception:  # an op whose schema we cannot read: fall back to compute-and-copy
-        return None
-
-
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def same_result(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equal (NaN-aware) with the same dtype, shape and strides."""
-    if a.dtype != b.dtype or a.shape != b.shape or a.stride() != b.stride():
-        return False
-    if a.numel() == 0:
-        return True
-    int_dtype = _INT_OF_SIZE.get(a.element_size())
-    if (
-        int_dtype is not None
-        and not a.is_complex()
-        and torch.equal(a.view(int_dtype), b.view(int_dtype))
-    ):
-        return True
-    if a.is_floating_point() or a.is_complex():
-        return bool(torch.allclose(a, b, rtol=0.0, atol=0.0, equal_nan=True))
-    return torch.equal(a, b)
-
-
-def scratch_like(t: torch.Tensor) -> torch.Tensor:
-    """A tensor with ``t``'s layout holding values that differ from ``t`` everywhere, so a candidate
-    that skips an element is caught."""
-    s = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)
-    if t.dtype == torch.bool:
-        torch.logical_not(t, out=s)
-    elif t.is_floating_point() or t.is_complex():
-        torch.neg(t, out=s)  # flips the sign bit of every element, zeros and NaNs included
-    else:
-        torch.bitwise_not(t, out=s)
-    return s
-
-
-def _quietly(fn: Callable[[], object]) -> bool:
-    """Run ``fn``; False if it raised or warned."""
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            fn()
-        except Exception:
-            return False
-    return not caught
-
-
-# The order in which verified candidates are preferred, by label (see the module docstring).
-RULE = ("copy_into", "out_public", "out_overload", "binding", "op")
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One way to re-issue a functional op. COPY candidates return the result; the replay copies
-    the outputs it needs into place. COPY_INTO: ``call(args)`` is the input whose copy the result
-    is. ``label`` names the candidate in exported decisions and places it in ``RULE``."""
-
-    kind: Kind
-    call: Callable[..., Any]
-    out_names: tuple[str, ...] = ()
-    label: str = ""
-
-    @property
-    def rank(self) -> int:
-        return RULE.index(self.label) if self.label in RULE else len(RULE)
-
-
-def _leaf(value: Any, path: tuple[int, ...]) -> Any:
-    for i in path:
-        value = value[i]
-    return value
-
-
-Outs = Sequence[tuple[tuple[int, ...], torch.Tensor]]
-
-
-def _runner(
-    c: Candidate, args: Sequence[Any], kwargs: dict[str, Any], outs: Outs
-) -> tuple[Callable[[], Any], list[torch.Tensor]]:
-    """A zero-argument call of ``c`` on ``args``, and the scratch outputs it writes (out= kinds)."""
-    if c.kind is Kind.COPY:
-        return partial(c.call, *args, **kwargs), []
-    scratch = [scratch_like(t) for _, t in outs]
-    if c.kind is Kind.COPY_INTO:
-        return partial(scratch[0].copy_, c.call(args)), scratch
-    if c.kind is Kind.OUT_PUBLIC:
-        out_arg: Any = scratch[0] if len(scratch) == 1 else tuple(scratch)
-        return partial(c.call, *args, **kwargs, out=out_arg), scratch
-    return partial(c.call, *args, **kwargs, **dict(zip(c.out_names, scratch, strict=True))), scratch
-
-
-def _verified(c: Candidate, args: Sequence[Any], kwargs: dict[str, Any], outs: Outs) -> bool:
-    """Whether ``c`` gives the op's results bitwise on this capture's data."""
-    if c.label == "op":  # the op itself is the reference: it needs no check
-        return True
-    run, scratch = _runner(c, args, kwargs, outs)
-    result: list[Any] = []
-    if not _quietly(lambda: result.append(run())):
-        return False
-    if c.kind is Kind.COPY:
-        ok = all(
-            isinstance(got := _leaf(result[0], p), torch.Tensor) and same_result(got, t)
-            for p, t in outs
-        )
-    else:
-        ok = all(same_result(s, t) for s, (_, t) in zip(scratch, outs, strict=True))
-    return ok
+# re-exported for callers that name an op from here (the schema helpers live in schema.py)
+from npugraph_runtime.schema import overload_name as overload_name
+from npugraph_runtime.schema import write_positions as write_positions
 
 
 def _signature(value: Any) -> Any:
@@ -384,7 +210,7 @@ def _decide(
     copy_only: bool,
 ) -> Decision:
     """Every candidate that verifies on this capture's data, in rule order."""
-    found = [c for c in _possible(func, op, outs, copy_only) if _verified(c, args, kwargs, outs)]
+    found = [c for c in _possible(func, op, outs, copy_only) if verified(c, args, kwargs, outs)]
     return Decision(tuple(sorted(found, key=lambda c: c.rank)))
 
 
@@ -395,7 +221,7 @@ def _recheck(
     """The first candidate of a known decision that verifies on this capture's data (the op
     itself needs no check, so the result is never empty)."""
     for c in decision.candidates:
-        if _verified(c, args, kwargs, outs):
+        if verified(c, args, kwargs, outs):
             return [c]
     return [Candidate(Kind.COPY, op, label="op")]
 
@@ -499,31 +325,3 @@ def seed_kernel_decisions(decisions: dict[str, Any], trusted: bool = False) -> i
         _SEEDED[str(text)] = (labels, threads)
         taken += 1
     return taken
-
-
-def preferred(candidates: Sequence[Candidate]) -> Candidate:
-    """The verified candidate the replay issues: the first by ``RULE``."""
-    return min(candidates, key=lambda c: c.rank)
-
-
-def inplace_method_name(func: Any, args: Sequence[Any]) -> str | None:
-    """The ``Tensor`` method for an op that only writes its first argument and returns it."""
-    positions, names = write_positions(func)
-    returns = _compat.op_schema(func).returns
-    if positions != (0,) or names or len(returns) != 1 or not args:
-        return None
-    if not isinstance(args[0], torch.Tensor) or args[0].layout != torch.strided:
-        return None
-    name = _compat.op_base_name(func)
-    if func.namespace != "aten" or not name.endswith("_") or not hasattr(torch.Tensor, name):
-        return None
-    return str(name)
-
-
-def verify_inplace_method(
-    name: str, before: torch.Tensor, after: torch.Tensor, args: Sequence[Any], kwargs: dict[str, Any]
-) -> bool:
-    """Replay the method on ``before`` (a copy of the first argument taken before the op ran) and
-    compare with what the op left in ``after``."""
-    method = getattr(before, name)
-    return _quietly(lambda: method(*args[1:], **kwargs)) and same_result(before, after)

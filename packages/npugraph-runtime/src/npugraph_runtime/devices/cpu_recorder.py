@@ -2,281 +2,55 @@
 re-issued at replay, and keeps every tensor it sees alive until the capture ends.
 
 Dispatch modes are thread-local in torch: ops that other threads run during a capture are neither
-recorded nor refused (a CUDA capture in "global" mode would refuse some of them)."""
+recorded nor refused (a CUDA capture in "global" mode would refuse some of them).
+
+What the recording holds is in cpu_record.py, what the recorder reads of an op in cpu_op_info.py,
+the rules that pick each step's kind in cpu_step_kinds.py, the host-read refusal in
+cpu_host_reads.py."""
 
 from __future__ import annotations
 
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from functools import cache
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from npugraph_runtime import _compat
 from npugraph_runtime._compat import TorchDispatchMode
-from npugraph_runtime.devices.cpu_collectives import InFlight, is_collective, is_wait
-from npugraph_runtime.devices.cpu_kernels import (
+from npugraph_runtime.devices.cpu_candidates import (
     Candidate,
     Kind,
     inplace_method_name,
-    is_allocation,
-    out_candidates,
-    overload_name,
     same_result,
-    verify_inplace_method,
-    write_positions,
 )
+from npugraph_runtime.devices.cpu_collectives import InFlight, is_collective, is_wait
+from npugraph_runtime.devices.cpu_host_reads import HostReads
+from npugraph_runtime.devices.cpu_op_info import op_info, unsafe_reason
+from npugraph_runtime.devices.cpu_record import (
+    CPU,
+    Step,
+    StorageEntry,
+    TensorEntry,
+    TRef,
+    exact_copy,
+    is_plain,
+    leaves_of,
+    tensor_list,
+    tensors_of,
+)
+from npugraph_runtime.devices.cpu_step_kinds import KIND_RULES, RecordedOp
 from npugraph_runtime.devices.cpu_streams import (
     CpuEvent,
     CpuStream,
     HazardTracker,
     current_cpu_stream,
-    is_event_marker,
-    replays_marker,
 )
 from npugraph_runtime.devices.no_launch import Launched, launched, launches, relaunched, stand_in
 from npugraph_runtime.errors import CaptureError, CrossStreamWarning, DeviceError, NpugraphError
+from npugraph_runtime.schema import overload_name
 
-_CPU = torch.device("cpu")
-
-_UNSAFE_TAGS: tuple[tuple[str, str], ...] = (
-    ("data_dependent_output", "reads a tensor's value on the host (a host synchronisation)"),
-    ("dynamic_output_shape", "has an output shape that depends on the data"),
-    ("nondeterministic_seeded", "draws random numbers, which a replay would not redraw"),
-    ("cudagraph_unsafe", "is marked unsafe for device-graph capture"),
-)
-_UNSAFE_NAMES = {
-    "aten::is_nonzero": "reads a tensor's value on the host (a host synchronisation)",
-    "aten::set_.source_Storage": "swaps a tensor's storage",
-    "aten::set_.source_Storage_storage_offset": "swaps a tensor's storage",
-    "aten::set_.source_Tensor": "swaps a tensor's storage",
-    "aten::set_": "swaps a tensor's storage",
-}
-_TRUSTED_SCHEMAS = frozenset({"aten", "prims", "_c10d_functional", "npugraph_ex"})
 _SDPA_CPU = "aten::_scaled_dot_product_flash_attention_for_cpu"
-_COPY_OPS = frozenset({"aten::_to_copy", "aten::copy_", "aten::to.device", "aten::_copy_from"})
-
-
-class TRef:
-    """A recorded tensor, by its index in ``Recorder.tensors``."""
-
-    __slots__ = ("i",)
-
-    def __init__(self, i: int) -> None:
-        self.i = i
-
-
-@dataclass(slots=True, eq=False)
-class TensorEntry:
-    obj: torch.Tensor | None
-    storage: int
-    dtype: torch.dtype
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-
-
-@dataclass(slots=True, eq=False)
-class StorageEntry:
-    obj: torch.UntypedStorage | None
-    produced: bool  # first seen as the output of a recorded op
-    first: int
-    last: int
-    nbytes: int
-    pinned: bool = False  # never pooled, never dropped (frozen results, unusual layouts)
-
-
-@dataclass(slots=True, eq=False)
-class Step:
-    func: Any
-    kind: Kind
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    outs: tuple[tuple[tuple[int, ...], TRef], ...] = ()  # (path into the result, tensor)
-    call: Any = None
-    out_names: tuple[str, ...] = ()
-    method: str = ""
-    saved: tuple[tuple[TRef, torch.Tensor], ...] = ()  # FROZEN: values to copy back
-    candidates: list[Candidate] = field(default_factory=list)  # verified ways to re-issue it
-    stream: CpuStream | None = None  # the logical stream the op was issued on
-
-
-def _leaves(value: Any, path: tuple[int, ...] = ()) -> Iterator[tuple[tuple[int, ...], Any]]:
-    if isinstance(value, (list, tuple)):
-        for i, v in enumerate(value):
-            yield from _leaves(v, (*path, i))
-    else:
-        yield path, value
-
-
-def _tensors(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-
-
-def _tensor_list(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    """The tensors among an op's arguments, nested lists included, in order."""
-    found: list[torch.Tensor] = []
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            found.append(value)
-        elif isinstance(value, (list, tuple)):
-            found += _tensors(value)
-    return found
-
-
-@dataclass(frozen=True, slots=True)
-class _OpInfo:
-    """What the recorder asks of an op on every call that its schema and tags alone decide."""
-
-    name: str  # overload_name
-    unsafe_tags: tuple[tuple[str, str], ...]  # its tags of _UNSAFE_TAGS, in that order
-    named_reason: str | None  # _UNSAFE_NAMES
-    copies: bool  # one of _COPY_OPS: unsafe when it copies between devices
-    writes: tuple[tuple[int, ...], tuple[str, ...]]  # write_positions
-    trusted_schema: bool  # its namespace declares what it writes
-    metadata_only: bool  # an in-place view op
-    wait: bool  # a collective's wait
-    functional_collective: bool  # a _c10d_functional op
-    event_marker: bool  # a graph-event op: program order orders a replay, so it is left out
-    marker: bool  # a scope op a replay runs again
-    allocation: bool
-
-
-@cache
-def _op_info(func: Any) -> _OpInfo:
-    name = overload_name(func)
-    tags = func.tags
-    unsafe_tags = tuple(
-        (tag_name, why) for tag_name, why in _UNSAFE_TAGS
-        if (tag := getattr(torch.Tag, tag_name, None)) is not None and tag in tags
-    )
-    return _OpInfo(
-        name,
-        unsafe_tags,
-        _UNSAFE_NAMES.get(name),
-        str(_compat.op_schema(func).name) in _COPY_OPS or name in _COPY_OPS,
-        write_positions(func),
-        func.namespace in _TRUSTED_SCHEMAS,
-        torch.Tag.inplace_view in tags,
-        is_wait(func),
-        func.namespace == "_c10d_functional",
-        is_event_marker(func),
-        replays_marker(func),
-        is_allocation(func),
-    )
-
-
-def _argument(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
-    for i, arg in enumerate(_compat.op_schema(func).arguments):
-        if arg.name == name:
-            if i < len(args) and not arg.kwarg_only:
-                return args[i]
-            return kwargs.get(name, arg.default_value if arg.has_default_value() else None)
-    return None
-
-
-def _draws_nothing(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Ops tagged as seeded that draw no random number with these arguments: attention and
-    dropout with probability 0 (SDPA kernels carry the tag for their dropout) or not training."""
-    names = {a.name for a in _compat.op_schema(func).arguments}
-    for p_name in ("dropout_p", "p"):
-        if p_name in names and _argument(func, args, kwargs, p_name) == 0:
-            return True
-    return "train" in names and _argument(func, args, kwargs, "train") is False
-
-
-def _shape_fixed_here(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """Ops tagged as having a data-dependent output shape whose shape is fixed by these
-    arguments: indexing with integer index tensors (only boolean masks make it data-dependent)."""
-    if overload_name(func) != "aten::index.Tensor":
-        return False
-    indices = _argument(func, args, kwargs, "indices") or ()
-    return all(
-        i is None or (isinstance(i, torch.Tensor) and i.dtype not in (torch.bool, torch.uint8))
-        for i in indices
-    )
-
-
-def _plain(t: torch.Tensor) -> bool:
-    return (
-        t.layout == torch.strided
-        and not t.is_conj()
-        and not t.is_neg()
-        and not t.is_quantized
-        and t.device == _CPU
-    )
-
-
-def _exact_copy(t: torch.Tensor) -> torch.Tensor:
-    c = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)
-    c.copy_(t)
-    return c
-
-
-# Tensor methods that read values on the host without dispatching an ATen op (so the dispatch
-# mode never sees them): a replay would repeat what they read at capture.
-_HOST_READ_METHODS = {
-    torch.Tensor.tolist: "Tensor.tolist()",
-    torch.Tensor.numpy: "Tensor.numpy()",
-    torch.Tensor.__array__: "Tensor.__array__() (numpy conversion)",
-    torch.Tensor.__repr__: "Tensor.__repr__() (printing a tensor)",
-    torch.Tensor.__format__: "Tensor.__format__() (formatting a tensor)",
-}
-# Constructors that read the values of tensors nested in their data argument on the host.
-_CONSTRUCTORS = {torch.tensor: "torch.tensor", torch.as_tensor: "torch.as_tensor",
-                 torch.asarray: "torch.asarray"}
-
-
-def _nests_tensor(value: Any) -> bool:
-    return isinstance(value, (list, tuple)) and any(
-        isinstance(v, torch.Tensor) or _nests_tensor(v) for v in value
-    )
-
-
-class HostReads(TorchFunctionMode):
-    """Refuses, during a capture, the host reads of tensor values that bypass ATen dispatch:
-    on the CPU they succeed silently and every replay would repeat the values they read."""
-
-    def __init__(self, recorder: Recorder) -> None:
-        super().__init__()
-        self.recorder = recorder
-
-    def __torch_function__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
-    ) -> Any:
-        kwargs = kwargs or {}
-        recorder = self.recorder
-        if recorder.error is None:
-            what = _HOST_READ_METHODS.get(func)
-            if what is None and func in _CONSTRUCTORS:
-                data = args[0] if args else kwargs.get("data", kwargs.get("obj"))
-                if _nests_tensor(data):
-                    what = f"{_CONSTRUCTORS[func]}() of a list holding tensors"
-            if what is not None:
-                if recorder.mode == "relaxed":
-                    if recorder.local and recorder.reads_local(_tensor_list(args, kwargs)):
-                        error = recorder.local_read(what)
-                        recorder.fail(error)
-                        raise error
-                    recorder.frozen.append(what)
-                else:
-                    error = CaptureError(
-                        f"{what} cannot be captured: it reads tensor values on the host, and "
-                        "every replay would repeat the values it read during capture. Move it out "
-                        "of the captured region, or capture with capture_error_mode='relaxed' to "
-                        f"accept that (mode is {recorder.mode!r})"
-                    )
-                    recorder.fail(error)
-                    raise error
-        return func(*args, **kwargs)
 
 
 class Recorder(TorchDispatchMode):  # type: ignore[misc]
@@ -336,7 +110,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
             self.storages.append(StorageEntry(st, produced, index, index, st.nbytes()))
         entry = self.storages[si]
         entry.last = index
-        if not _plain(t):
+        if not is_plain(t):
             entry.pinned = True
         i = len(self.tensors)
         self._tensor_ix[id(t)] = i
@@ -452,7 +226,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
             got.append(step.func(*fewer, **kwargs))
         except Exception:  # a kernel that does not take grouped heads: keep the copies
             return
-        fresh = [g for _, g in _leaves(got[0]) if isinstance(g, torch.Tensor)]
+        fresh = [g for _, g in leaves_of(got[0]) if isinstance(g, torch.Tensor)]
         if len(fresh) != len(leaves) or not all(
             same_result(g, t) for (_, t), g in zip(leaves, fresh, strict=True)
         ):
@@ -536,32 +310,12 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
             for s in self.in_flight.waited(self._storage_of(args[0])):
                 self.storages[s].last = max(self.storages[s].last, index)
 
-    def _unsafe_reason(
-        self, info: _OpInfo, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> str | None:
-        for tag_name, why in info.unsafe_tags:
-            if tag_name == "nondeterministic_seeded" and _draws_nothing(func, args, kwargs):
-                continue
-            if tag_name == "dynamic_output_shape" and _shape_fixed_here(func, args, kwargs):
-                continue
-            return why
-        if info.named_reason is not None:
-            return info.named_reason
-        if info.copies:
-            devices = {t.device for t in _tensors((args, tuple(kwargs.values())))}
-            target = kwargs.get("device")
-            if target is not None:
-                devices.add(torch.device(target))
-            if len(devices) > 1:
-                return "copies between devices (" + ", ".join(sorted(map(str, devices))) + ")"
-        return None
-
     def _record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         index = len(self.steps)
         name = str(func)
-        info = _op_info(func)
-        reason = self._unsafe_reason(info, func, args, kwargs)
-        inputs = _tensor_list(args, kwargs)
+        info = op_info(func)
+        reason = unsafe_reason(info, func, args, kwargs)
+        inputs = tensor_list(args, kwargs)
         if reason is not None and self.mode == "relaxed" and self.local and self.reads_local(inputs):
             raise self.local_read(name)
         if reason is not None and self.mode != "relaxed":
@@ -572,17 +326,17 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
             )
         if reason is None:
             for t in inputs:
-                if t.device != _CPU:
+                if t.device != CPU:
                     raise DeviceError(
                         f"{name} got a tensor on {t.device} while capturing a cpu graph: a graph "
                         f"captures one device; move every tensor the function uses to cpu"
                     )
         positions, names = info.writes
-        written = [t for i in positions if i < len(args) for t in _tensors(args[i])]
-        written += [t for n in names for t in _tensors(kwargs.get(n))]
+        written = [t for i in positions if i < len(args) for t in tensors_of(args[i])]
+        written += [t for n in names for t in tensors_of(kwargs.get(n))]
         # a custom op's schema may not declare its writes: keep every pre-existing input it gets
         for t in written if info.trusted_schema else inputs:
-            if t.device == _CPU:
+            if t.device == CPU:
                 self._snapshot(t)
         method = None
         before = None
@@ -591,7 +345,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
             if method is not None:
                 self_storage = args[0].untyped_storage()
                 if all(t.untyped_storage() is not self_storage for t in inputs[1:]):
-                    before = _exact_copy(args[0])
+                    before = exact_copy(args[0])
         stood_in = False
         if not launches(func):
             result = func(*args, **kwargs)
@@ -607,11 +361,11 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
                 self.launched.append(launched(func, result, written))
         leaves: list[tuple[tuple[int, ...], torch.Tensor]] = (
             [((), result)] if isinstance(result, torch.Tensor)
-            else [(p, v) for p, v in _leaves(result) if isinstance(v, torch.Tensor)]
+            else [(p, v) for p, v in leaves_of(result) if isinstance(v, torch.Tensor)]
         )
         if reason is None:
             for _, t in leaves:
-                if t.device != _CPU:
+                if t.device != CPU:
                     raise DeviceError(
                         f"{name} produced a tensor on {t.device} while capturing a cpu graph: "
                         f"a graph captures one device"
@@ -636,9 +390,9 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
         stream = current_cpu_stream()
         step = Step(func, Kind.SKIP, args_r, kwargs_r, outs, stream=stream)
 
-        op = _Op(func, info, args, kwargs, index, reason, written, leaves, outs, fresh,
+        op = RecordedOp(func, info, args, kwargs, index, reason, written, leaves, outs, fresh,
                  metadata_only, method, before)
-        next(fill for applies, fill in _KIND_RULES if applies(op))(self, op, step)
+        next(fill for applies, fill in KIND_RULES if applies(op))(self, op, step)
         if step.kind is Kind.COPY and info.name == _SDPA_CPU:
             self._read_grouped_kv(step, args, kwargs, leaves, index)
         for _, r in step.outs:
@@ -661,104 +415,3 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
                 self.hazard_reported = True
                 warnings.warn(problem, CrossStreamWarning, stacklevel=2)
         return result
-
-
-@dataclass(slots=True, eq=False)
-class _Op:
-    """One op as ``Recorder._record`` saw it run: what picks the kind of its step."""
-
-    func: Any
-    info: _OpInfo
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    index: int
-    reason: str | None  # why it cannot be re-issued (relaxed mode freezes it), or None
-    written: list[torch.Tensor]  # the inputs its schema says it writes
-    leaves: list[tuple[tuple[int, ...], torch.Tensor]]  # its tensor results, by path
-    outs: tuple[tuple[tuple[int, ...], TRef], ...]
-    fresh: tuple[tuple[tuple[int, ...], TRef], ...]  # results in storage it allocated
-    metadata_only: bool
-    method: str | None  # the in-place method that may re-issue it, if any
-    before: torch.Tensor | None  # its self argument before it ran, to verify ``method``
-
-
-def _frozen(rec: Recorder, op: _Op, step: Step) -> None:
-    """Replays repeat the values it produced during capture (relaxed mode)."""
-    rec.frozen.append(str(op.func))
-    step.kind = Kind.FROZEN
-    targets = [t for _, t in op.leaves] + op.written
-    step.saved = tuple(
-        (TRef(rec._ref(t, op.index)), _exact_copy(t)) for t in targets if _plain(t)
-    )
-    for t in targets:
-        si = rec._storage_of(t)
-        if si is not None and rec.storages[si].produced:
-            rec.storages[si].pinned = True
-
-
-def _skip(rec: Recorder, op: _Op, step: Step) -> None:
-    """Nothing to re-issue: views (every result aliases an input), non-tensor results,
-    allocations, and in-place view ops (replays see the recorded view; re-issuing would apply
-    it twice)."""
-    step.kind = Kind.SKIP
-
-
-def _writes(rec: Recorder, op: _Op, step: Step) -> None:
-    """An op that writes its inputs: re-issued as its in-place method where that was verified
-    to give the same result, else as it is."""
-    if (
-        op.method is not None
-        and op.before is not None
-        and verify_inplace_method(op.method, op.before, op.args[0], op.args, op.kwargs)
-    ):
-        step.kind, step.method = Kind.INPLACE_METHOD, op.method
-    else:
-        step.kind = Kind.AS_IS
-        step.outs = op.fresh
-
-
-def _collective_wait(rec: Recorder, op: _Op, step: Step) -> None:
-    """Returns its argument, yet must be re-issued."""
-    step.kind = Kind.COLLECTIVE_WAIT
-
-
-def _collective(rec: Recorder, op: _Op, step: Step) -> None:
-    step.kind, step.outs = Kind.COLLECTIVE, op.fresh
-
-
-def _as_is(rec: Recorder, op: _Op, step: Step) -> None:
-    """Re-issued as recorded: stream markers, and custom ops with no fresh result (their schema
-    may not declare what they write, so they are not trusted to be views)."""
-    step.kind = Kind.AS_IS
-
-
-def _computes(rec: Recorder, op: _Op, step: Step) -> None:
-    """A computation with fresh results: computed again into them, by an out= kernel where one
-    fits, else computed and copied."""
-    fresh_ids = {id(r) for _, r in op.fresh}
-    fresh_leaves = [
-        leaf for leaf, (_, r) in zip(op.leaves, op.outs, strict=True) if id(r) in fresh_ids
-    ]
-    step.kind, step.outs = Kind.COPY, op.fresh
-    shared = len({rec.tensors[r.i].storage for _, r in op.fresh}) != len(op.fresh)
-    # results that alias inputs or each other: out= kernels would be handed overlapping
-    # outputs, so only compute-and-copy fits
-    step.candidates = out_candidates(
-        op.func, op.args, op.kwargs, fresh_leaves,
-        copy_only=len(op.fresh) != len(op.outs) or shared,
-    )
-
-
-# The kind of an op's step: the first rule that applies, in this order.
-_KIND_RULES: tuple[tuple[Callable[[_Op], bool], Callable[[Recorder, _Op, Step], None]], ...] = (
-    (lambda op: op.reason is not None, _frozen),
-    (lambda op: op.metadata_only, _skip),
-    (lambda op: bool(op.written), _writes),
-    (lambda op: op.info.wait, _collective_wait),
-    (lambda op: op.info.functional_collective and bool(op.fresh), _collective),
-    (lambda op: op.info.event_marker, _skip),  # ordered by program order at replay
-    (lambda op: op.info.marker, _as_is),
-    (lambda op: not op.fresh and not op.info.trusted_schema, _as_is),
-    (lambda op: not op.fresh or op.info.allocation, _skip),
-    (lambda op: True, _computes),
-)

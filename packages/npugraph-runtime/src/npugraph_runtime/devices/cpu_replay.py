@@ -19,9 +19,9 @@ import torch
 
 from npugraph_runtime import _compat
 from npugraph_runtime.devices.base import scope_exits
+from npugraph_runtime.devices.cpu_candidates import Kind, preferred, public_binding
 from npugraph_runtime.devices.cpu_collectives import Emitter, work_path
-from npugraph_runtime.devices.cpu_kernels import Kind, preferred, public_binding
-from npugraph_runtime.devices.cpu_recorder import Step, TensorEntry, TRef
+from npugraph_runtime.devices.cpu_record import Step, TensorEntry, TRef
 from npugraph_runtime.devices.cpu_streams import replays_marker
 from npugraph_runtime.errors import CaptureError
 from npugraph_runtime.spans import bytes_overlap
