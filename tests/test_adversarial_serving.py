@@ -31,8 +31,9 @@ class KeywordOnly(torch.nn.Module):
 
 @pytest.mark.parametrize("start", ["cold", "warm"])
 def test_method_with_a_keyword_only_default(tmp_path: Path, start: str) -> None:
-    """The plan's probe call re-made dynamo's function without its keyword-only defaults: the
-    entry's second call raised "missing 1 required keyword-only argument"."""
+    """A method with a keyword-only default is served over several calls, equal to eager (the
+    since removed direct plan's probe once re-made dynamo's function without its keyword-only
+    defaults: the entry's second call raised "missing 1 required keyword-only argument")."""
     from torch._dynamo.utils import counters
 
     counters.clear()
@@ -46,5 +47,4 @@ def test_method_with_a_keyword_only_default(tmp_path: Path, start: str) -> None:
         with torch.no_grad():
             want = model.step(x)
         torch.testing.assert_close(fn(x), want)
-    assert counters["npugraph_ex_cache"]["direct_plans"] >= 1
     assert sum(v for k, v in counters["npugraph_ex"].items() if k.startswith("captured_")) >= 1

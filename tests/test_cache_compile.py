@@ -58,11 +58,9 @@ def _worker(cache_dir: Path, out: Path, cwd: Path | None = None) -> dict[str, An
 
 def test_seed_example_second_process_loads_without_dynamo_and_matches_eager(tmp_path: Path) -> None:
     first = _worker(tmp_path / "cache", tmp_path / "first.json")
-    # prompt and decode (the KV cache an argument) each call their graph through a plan
     assert first["cache"] == {"compiled": 2} and first["max_error"] == 0.0
-    assert first["plans"] == 2
     second = _worker(tmp_path / "cache", tmp_path / "second.json")
-    assert second["cache"] == {"loaded": 2} and second["plans"] == 2
+    assert second["cache"] == {"loaded": 2}
     assert second["unique_graphs"] == 0  # dynamo traced no frame
     assert second["aot"] == {}  # AOT autograd did not run (no cache lookup, no compile)
     assert second["captures"] >= 2  # device graphs captured again in this process
@@ -223,9 +221,7 @@ def test_two_working_directories_share_one_entry(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     first = _worker(cache, tmp_path / "first.json", cwd=tmp_path / "a")
-    # prompt and decode (the KV cache an argument) each call their graph through a plan
     assert first["cache"] == {"compiled": 2} and first["max_error"] == 0.0
-    assert first["plans"] == 2
     second = _worker(cache, tmp_path / "second.json", cwd=tmp_path / "b")
     assert second["cache"] == {"loaded": 2} and second["max_error"] == 0.0
     assert second["warnings"] == [] and second["unique_graphs"] == 0
@@ -395,17 +391,12 @@ def test_serving_path_catches_every_change_that_would_make_a_replay_wrong(
     tmp_path: Path, start: str
 ) -> None:
     """cache_compile keeps no per-call guard on parameters (the capture manager checks their
-    addresses) and, once an entry's guards pass, calls its graph through a flat-argument plan
-    (no dynamo bytecode): each change below still gives a result equal to eager, over >= 5
-    calls, and the re-bound parameter makes a new plan."""
+    addresses): each change below still gives a result equal to eager, over >= 5 calls."""
     from torch._dynamo.utils import counters
 
     model, fn = _serving(tmp_path, start)
     assert counters["npugraph_ex_cache"]["loaded" if start == "warm" else "compiled"] == 1
     assert _captures() >= 1
-    assert counters["npugraph_ex_cache"]["direct_plans"] == 1  # calls 2-5 took the plan
-    # AOT's wrappers do nothing for this graph: the plan calls the backend's callable itself
-    assert counters["npugraph_ex_serving"]["boxed_plans"] == 1
     # user-input shape and dtype: the kept guards reject the entry, another one is compiled
     _matches_eager(fn, model, _served_inputs(5, shape=(6, 16)))
     model.double()
@@ -420,19 +411,15 @@ def test_serving_path_catches_every_change_that_would_make_a_replay_wrong(
     _matches_eager(fn, model, calls[1:])
     torch.testing.assert_close(kept, kept_expected, rtol=1e-5, atol=1e-6)
     # a re-bound parameter (no frozen_parameter): a capture of its own, the new weight used
-    # (setattr makes the plan stale: the next call runs dynamo's bytecode and plans again)
-    before, plans = _captures(), counters["npugraph_ex_cache"]["direct_plans"]
+    before = _captures()
     model.layers[1].weight = torch.nn.Parameter(torch.randn(16, 16), requires_grad=False)
     _matches_eager(fn, model, _served_inputs(5))
-    assert counters["npugraph_ex_cache"]["direct_plans"] == plans + 1
-    model.layers[2].bias.data = torch.randn(16)  # same Parameter, new storage: same plan
+    model.layers[2].bias.data = torch.randn(16)  # same Parameter, new storage
     _matches_eager(fn, model, _served_inputs(5))
     assert _captures() >= before + 2
-    assert counters["npugraph_ex_cache"]["direct_plans"] == plans + 1
     # a re-bound submodule
     model.layers[0] = torch.nn.Linear(16, 16)
     _matches_eager(fn, model, _served_inputs(5))
-    assert counters["npugraph_ex_cache"]["direct_plans"] == plans + 2
     # no recompile for either
     assert counters["npugraph_ex_cache"]["compiled"] == (2 if start == "warm" else 3)
 
@@ -454,8 +441,8 @@ class Cached(torch.nn.Module):
 def test_serving_path_follows_a_mutated_buffer_and_its_re_binding(
     tmp_path: Path, start: str
 ) -> None:
-    """The plan calls AOT's wrapper, which applies the in-place update; a buffer re-bound by
-    setattr (a new cache) is planned again. Compared with an eager twin over >= 5 calls."""
+    """AOT's wrapper applies the in-place update; a buffer re-bound by setattr (a new cache) is
+    the one updated next. Compared with an eager twin over >= 5 calls."""
     import copy
 
     from torch._dynamo.utils import counters
@@ -479,16 +466,14 @@ def test_serving_path_follows_a_mutated_buffer_and_its_re_binding(
 
     same(6)
     assert _captures() >= 1
-    assert counters["npugraph_ex_cache"]["direct_plans"] == 1
     model.cache = torch.ones(8, 16)
     twin.cache = torch.ones(8, 16)
     same(6)
-    assert counters["npugraph_ex_cache"]["direct_plans"] == 2
 
 
 class AliasesInput(torch.nn.Module):
     """Returns a view of its input beside a computed tensor: AOT replays the alias after the
-    graph, so its wrappers are not skipped."""
+    graph."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -509,13 +494,11 @@ class MutatesInput(torch.nn.Module):
 
 
 @pytest.mark.parametrize("start", ["cold", "warm"])
-def test_serving_path_keeps_aots_wrappers_where_they_replay_an_alias_or_a_mutation(
+def test_serving_path_replays_an_output_alias_and_an_argument_mutation(
     tmp_path: Path, start: str
 ) -> None:
-    """A plan skips AOT's runtime wrappers only where they do nothing: an output that views an
-    input keeps them (boxed_plans not counted) and stays a view of the caller's tensor, and an
-    in-place update of an argument lands in the caller's tensor either way. Each compared with
-    eager over >= 5 calls."""
+    """An output that views an input stays a view of the caller's tensor, and an in-place update
+    of an argument lands in the caller's tensor. Each compared with eager over >= 5 calls."""
     from torch._dynamo.utils import counters
 
     torch.manual_seed(0)
@@ -532,8 +515,6 @@ def test_serving_path_keeps_aots_wrappers_where_they_replay_an_alias_or_a_mutati
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         assert got[1].data_ptr() == x[1:].data_ptr()  # a view of the caller's tensor, as eager
     assert _captures() >= 1
-    assert counters["npugraph_ex_cache"]["direct_plans"] == 1
-    assert counters["npugraph_ex_serving"]["boxed_plans"] == 0
 
     mutating = MutatesInput().eval()
     twin_fn = cache_compile(mutating.step, dynamic=False, cache_dir=tmp_path / "m")
@@ -544,7 +525,7 @@ def test_serving_path_keeps_aots_wrappers_where_they_replay_an_alias_or_a_mutati
             want = mutating.step(x, twin_acc)
         torch.testing.assert_close(twin_fn(x, acc), want, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(acc, twin_acc)
-    assert counters["npugraph_ex_cache"]["direct_plans"] == 2
+    assert _captures() >= 2
 
 
 class KV:
@@ -565,10 +546,10 @@ class TakesCache(torch.nn.Module):
 
 
 @pytest.mark.parametrize("start", ["cold", "warm"])
-def test_serving_path_plan_fetches_a_cache_arguments_tensors_on_every_call(
+def test_serving_path_fetches_a_cache_arguments_tensors_on_every_call(
     tmp_path: Path, start: str
 ) -> None:
-    """The plan takes a cache object's tensors from each call's argument (requests served in
+    """A cache object's tensors are taken from each call's argument (requests served in
     turn, then a new one): each request's cache is updated as eager updates it."""
     import copy
 
@@ -591,7 +572,6 @@ def test_serving_path_plan_fetches_a_cache_arguments_tensors_on_every_call(
         torch.testing.assert_close(fn(x, ours[n % 2]), expected, rtol=1e-5, atol=1e-6)
         for a, b in zip(ours, theirs, strict=True):
             torch.testing.assert_close(a.k, b.k, rtol=1e-5, atol=1e-6)
-    assert counters["npugraph_ex_cache"]["direct_plans"] == 1
     assert _captures() >= 2  # one capture per request's cache
 
 
@@ -609,21 +589,21 @@ class Slices(torch.nn.Module):
         return x
 
 
-def test_the_plans_registration_count_is_no_side_effect_of_traced_code(tmp_path: Path) -> None:
-    """The registration hook the plans use is a no-op while dynamo traces: a graph that builds
-    modules still gets a plan, and torch.compile does not recompile on every call."""
+def test_the_registration_count_is_no_side_effect_of_traced_code(tmp_path: Path) -> None:
+    """The registration hook npugraph_cache.registrations counts with is a no-op while dynamo
+    traces: a graph that builds modules is served from one entry, and torch.compile does not
+    recompile on every call."""
     from torch._dynamo.utils import counters
 
     model, other = Slices().eval(), Slices().eval()
     fn = cache_compile(model.step, dynamic=False, cache_dir=tmp_path)
     compiled = torch.compile(other.step, backend="npugraph_ex", dynamic=False)
     xs = [torch.randn(8, 16) for _ in range(5)]
-    with torch.no_grad():  # eager first: its slicing builds modules, which a plan counts
+    with torch.no_grad():  # eager first: its slicing builds modules, which the hook counts
         expected = [(model.step(x), other.step(x)) for x in xs]
         for x, (want, other_want) in zip(xs, expected, strict=True):
             torch.testing.assert_close(fn(x), want)
             torch.testing.assert_close(compiled(x), other_want)
-    assert counters["npugraph_ex_cache"]["direct_plans"] == 1
     assert counters["npugraph_ex_cache"]["compiled"] == 1
     assert _captures() == 2  # one graph each, never recompiled (a recompile captures anew)
 
@@ -638,11 +618,11 @@ class SizeDependent(torch.nn.Module):
 
 
 @pytest.mark.parametrize("start", ["cold", "warm"])
-def test_serving_path_plans_a_dynamic_graph_with_the_sizes_of_each_call(
+def test_serving_path_serves_a_dynamic_graph_with_the_sizes_of_each_call(
     tmp_path: Path, start: str
 ) -> None:
     """dynamic=True: the graph takes the batch size as an input, read by dynamo's bytecode from
-    a call argument; the plan reads it from each call, so every batch size replays its own
+    a call argument on each call, so every batch size replays its own
     capture of the one entry, equal to eager."""
     from torch._dynamo.utils import counters
 
@@ -658,7 +638,6 @@ def test_serving_path_plans_a_dynamic_graph_with_the_sizes_of_each_call(
             expected = model.step(a, b)
         torch.testing.assert_close(fn(a, b), expected)
     assert counters["npugraph_ex_cache"]["loaded" if start == "warm" else "compiled"] == 1
-    assert counters["npugraph_ex_cache"]["direct_plans"] == 1
     assert _captures() == 4  # batch sizes 8, 4, 3, 5
 
 
@@ -674,65 +653,23 @@ class ReadsGlobal(torch.nn.Module):
         return self.proj(x) + _OFFSET
 
 
-def test_serving_path_keeps_dynamos_bytecode_for_a_graph_that_reads_a_global(
-    tmp_path: Path,
-) -> None:
+def test_serving_path_serves_a_graph_that_reads_a_global_tensor(tmp_path: Path) -> None:
     """A graph input that is neither a call argument nor the module's own tensor (here a module
-    global) gets no plan: such a graph keeps dynamo's bytecode, equal to eager. (Re-binding the
-    global is not seen on either path: the loaded function holds the globals it was made with,
-    see the README's serving-path paragraph.)"""
-    from torch._dynamo.utils import counters
-
+    global), equal to eager."""
     model = ReadsGlobal().eval()
     fn = cache_compile(model.step, dynamic=False, cache_dir=tmp_path)
     for _ in range(5):
         x = torch.randn(8, 16)
         with torch.no_grad():
             torch.testing.assert_close(fn(x), model.step(x))
-    assert counters["npugraph_ex_cache"]["direct_plans"] == 0
     assert _captures() >= 1
 
 
-def test_an_entry_without_a_plan_is_probed_once_per_assignment(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Probing runs dynamo's bytecode through a recording wrapper and reads it: an entry that
-    got no plan is not probed again on every call (it was, ~10x a call's cost), only after a
-    parameter, buffer or submodule assignment. Equal to eager throughout."""
-    from npugraph_cache import _compat as cache_compat
-    from torch._dynamo.utils import counters
-
-    probes: list[int] = []
-    real_probe = cache_compat.probe_call
-
-    def spy(compiled: Any, args: tuple[Any, ...]) -> tuple[Any, Any]:
-        probes.append(1)
-        return real_probe(compiled, args)
-
-    monkeypatch.setattr(cache_compat, "probe_call", spy)
-    model = ReadsGlobal().eval()
-    fn = cache_compile(model.step, dynamic=False, cache_dir=tmp_path)
-
-    def calls(n: int) -> None:
-        for _ in range(n):
-            x = torch.randn(8, 16)
-            with torch.no_grad():
-                torch.testing.assert_close(fn(x), model.step(x))
-
-    calls(6)
-    assert len(probes) == 1  # the second call; none after it
-    model.proj.weight = torch.nn.Parameter(torch.randn(16, 16))
-    calls(4)
-    assert len(probes) == 2
-    assert counters["npugraph_ex_cache"]["direct_plans"] == 0
-    assert _captures() >= 1
-
-
-def test_direct_dispatch_must_be_a_bool(tmp_path: Path) -> None:
+def test_direct_dispatch_is_refused_naming_its_removal(tmp_path: Path) -> None:
     from npugraph_cache import CacheArgumentError
 
-    with pytest.raises(CacheArgumentError, match="direct_dispatch must be True or False"):
-        cache_compile(Served().step, cache_dir=tmp_path, direct_dispatch=1)
+    with pytest.raises(CacheArgumentError, match=r"direct_dispatch=False: the option was removed"):
+        cache_compile(Served().step, cache_dir=tmp_path, direct_dispatch=False)
 
 
 @pytest.mark.parametrize("start", ["cold", "warm"])
@@ -764,17 +701,15 @@ def test_serving_path_refuses_a_parameter_re_bound_to_another_layout(
 
 
 @pytest.mark.parametrize("start", ["cold", "warm"])
-def test_serving_path_bound_plan_keeps_held_outputs_and_sees_a_data_swap(
+def test_serving_path_keeps_held_outputs_and_sees_a_data_swap(
     tmp_path: Path, start: str
 ) -> None:
-    """The plan hands the capture manager its parameters once (``GraphedCallable.bind``): later
-    calls pass only the user inputs. On that path a kept result keeps its values, a ``.data``
-    swap of any parameter (here the last one) replays a capture with the new values: each
-    equal to eager."""
+    """A kept result keeps its values while later calls replay, and a ``.data`` swap of any
+    parameter (here the last one) replays a capture with the new values: each equal to
+    eager."""
     from torch._dynamo.utils import counters
 
     model, fn = _serving(tmp_path, start)
-    assert counters["npugraph_ex_serving"]["bound_plans"] == 1
     calls = _served_inputs(7)
     kept = fn(*calls[0])
     with torch.no_grad():
@@ -786,33 +721,29 @@ def test_serving_path_bound_plan_keeps_held_outputs_and_sees_a_data_swap(
     model.layers[-1].bias.data = torch.randn(16)
     _matches_eager(fn, model, _served_inputs(5))
     assert _captures() == before + 1
-    assert counters["npugraph_ex_cache"]["direct_plans"] == 1
     assert counters["npugraph_ex_cache"]["compiled"] == (0 if start == "warm" else 1)
 
 
 @pytest.mark.parametrize("start", ["cold", "warm"])
-def test_serving_path_plan_is_taken_only_when_the_guard_tree_passes(
+def test_serving_path_entry_is_taken_only_when_the_guard_tree_passes(
     tmp_path: Path, start: str
 ) -> None:
-    """A planned entry is called only after its whole guard tree passes: another stride, one
+    """An entry is called only after its whole guard tree passes: another stride, one
     tensor passed twice, and another global state (threads) are each refused, so another entry
     serves them; equal to eager."""
     from torch._dynamo.utils import counters
 
     model, fn = _serving(tmp_path, start)
-    assert counters["npugraph_ex_serving"]["bound_plans"] == 1
     compiled = counters["npugraph_ex_cache"]["compiled"]
     transposed = [[torch.randn(16, 8).t() for _ in range(4)] for _ in range(5)]
     _matches_eager(fn, model, transposed)
     assert counters["npugraph_ex_cache"]["compiled"] == compiled + 1
-    # compiling made modules (a registration): the first entry plans again before each change
-    plans = counters["npugraph_ex_cache"]["direct_plans"]
     _matches_eager(fn, model, _served_inputs(3))
     x = torch.randn(8, 16)
     _matches_eager(fn, model, [[x, x, torch.randn(8, 16), torch.randn(8, 16)]] * 5)
     assert counters["npugraph_ex_cache"]["compiled"] == compiled + 2
     _matches_eager(fn, model, _served_inputs(3))
-    assert counters["npugraph_ex_cache"]["direct_plans"] == plans + 3  # the first entry twice
+    assert counters["npugraph_ex_cache"]["compiled"] == compiled + 2  # the first entry again
     threads = torch.get_num_threads()
     torch.set_num_threads(threads + 1)
     try:
@@ -820,12 +751,12 @@ def test_serving_path_plan_is_taken_only_when_the_guard_tree_passes(
     finally:
         torch.set_num_threads(threads)
     assert counters["npugraph_ex_cache"]["compiled"] == compiled + 3
-    _matches_eager(fn, model, _served_inputs(5))  # the first entry again, on its plan
+    _matches_eager(fn, model, _served_inputs(5))  # the first entry again
     assert counters["npugraph_ex_cache"]["compiled"] == compiled + 3
 
 
-def test_serving_path_bound_plan_serves_two_threads(tmp_path: Path) -> None:
-    """Two threads on one planned entry: each result equals eager while the other thread's calls
+def test_serving_path_serves_two_threads(tmp_path: Path) -> None:
+    """Two threads on one entry: each result equals eager while the other thread's calls
     replay (a held result moves the other call to another capture)."""
     from torch._dynamo.utils import counters
 
@@ -833,7 +764,6 @@ def test_serving_path_bound_plan_serves_two_threads(tmp_path: Path) -> None:
     model = Served().eval()
     fn = cache_compile(model.step, dynamic=False, cache_dir=tmp_path)
     _matches_eager(fn, model, _served_inputs(3))
-    assert counters["npugraph_ex_serving"]["bound_plans"] == 1
 
     def serve(n: int) -> None:
         for args in _served_inputs(n):

@@ -74,8 +74,7 @@ def main(cache_dir: str, out: str) -> None:
     result = {
         "max_error": max(errors),
         "unique_graphs": counters["stats"]["unique_graphs"],
-        "cache": {k: v for k, v in counters["npugraph_ex_cache"].items() if k != "direct_plans"},
-        "plans": counters["npugraph_ex_cache"]["direct_plans"],
+        "cache": dict(counters["npugraph_ex_cache"]),
         "aot": dict(counters["aot_autograd"]),
         "captures": captures,
         "warnings": [str(w.message) for w in caught if "npugraph_ex cache" in str(w.message)],

@@ -48,12 +48,9 @@ def _run(cache_dir: Path, out: Path) -> dict[str, Any]:
 
 def test_a_warm_start_imports_no_pass_and_no_debug_module(tmp_path: Path) -> None:
     cold = _run(tmp_path / "cache", tmp_path / "cold.json")
-    # how the entry was obtained (direct_plans counts the serving path's plans, not entries)
-    cold["cache"].pop("direct_plans", None)
     assert cold["cache"] == {"compiled": 1} and cold["captures"] >= 1 and cold["max_error"] == 0.0
     assert set(COMPILE_ONLY) <= set(cold["modules"])
     warm = _run(tmp_path / "cache", tmp_path / "warm.json")
-    warm["cache"].pop("direct_plans", None)
     assert warm["cache"] == {"loaded": 1}
     assert warm["captures"] >= 1  # captured again in this process, and replayed
     assert warm["max_error"] == 0.0

@@ -81,10 +81,10 @@ def cache_compile(
     """Compile ``func`` (a bound method of an ``nn.Module``) with the npugraph_ex backend once
     and cache it on disk; later processes load it and skip dynamo, AOT and the passes.
 
-    kwargs: ``options=`` (npugraph_ex options, as for torch.compile),
-    ``custom_decompositions=`` ({op: function}, applied by AOT) and ``direct_dispatch=``
-    (default True: once the guards pass, the graph is called through a flat-argument plan,
-    see the README's serving path); any other keyword is a ValueError. The user guarantees what torch.compile(fullgraph=True) needs, plus: no random
+    kwargs: ``options=`` (npugraph_ex options, as for torch.compile) and
+    ``custom_decompositions=`` ({op: function}, applied by AOT); any other keyword is a
+    ValueError. Every call runs torch's compiled function with its guards. The user guarantees
+    what torch.compile(fullgraph=True) needs, plus: no random
     ops (refused), one phase per method (write prompt and decode as separate methods), the
     method not otherwise compiled or decorated. Calls run under ``torch.no_grad()``. See
     ``npugraph_cache.cache_compile`` for the layout, the key and the safety rules.

@@ -13,7 +13,6 @@ from pathlib import Path
 import npugraph_runtime as ngr
 import pytest
 import torch
-from npugraph_backend import _compat
 from npugraph_runtime.core_limit import limit_core_num
 from npugraph_runtime.devices.cpu_streams import current_cpu_stream
 from npugraph_runtime.ops import scope_stack
@@ -193,7 +192,7 @@ def test_a_parameter_assigned_while_another_thread_compiles_is_seen_by_cache_com
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, counter: Callable[[str], int],
 ) -> None:
     # the same flag: the cache's count of module assignments skipped the assignment as if it
-    # were traced, and the serving path's direct plan kept the old weight on every later call.
+    # were traced, and the serving path's (since removed) direct plan kept the old weight.
     # npugraph-cache is not a dependency of this package: run where it is installed (the root
     # suite), skipped in this package's own run
     pytest.importorskip("npugraph_cache")
@@ -214,10 +213,9 @@ def test_a_parameter_assigned_while_another_thread_compiles_is_seen_by_cache_com
     model = Proj().eval()
     served = cache_compile(model.forward, cache_dir=tmp_path / "cache", parameter_guards=False,
                            compile_fn=lambda options, decompositions: npugraph_ex_backend)
-    for _ in range(3):  # the second call plans the direct path
+    for _ in range(3):
         x = torch.randn(2, 4)
         torch.testing.assert_close(served(x), model(x))
-    assert _compat.dynamo_counters()["npugraph_ex_cache"]["direct_plans"] == 1
     with another_thread_compiling():
         model.w = torch.nn.Parameter(torch.randn(4, 4), requires_grad=False)
     kept = []

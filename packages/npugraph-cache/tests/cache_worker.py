@@ -76,7 +76,7 @@ def main(cache_dir: str, out: str, random: bool) -> None:
         "max_error": max(errors),
         "unique_graphs": counters["stats"]["unique_graphs"],
         "frames": counters["frames"]["total"],
-        "cache": {k: v for k, v in counters["npugraph_ex_cache"].items() if k != "direct_plans"},
+        "cache": dict(counters["npugraph_ex_cache"]),
         "warnings": [str(w.message) for w in caught if "npugraph_ex cache" in str(w.message)],
         "entries": [
             str(p) for f in (model.cached_prompt, model.cached_decode) for p in f.entry_paths

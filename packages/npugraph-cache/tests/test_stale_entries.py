@@ -268,7 +268,7 @@ def test_a_misspelt_keyword_names_the_one_meant_among_every_allowed_keyword() ->
     from npugraph_cache import CacheArgumentError
 
     with pytest.raises(CacheArgumentError, match=r"'cache_dri' \(did you mean 'cache_dir'\?\); "
-                       r"allowed: dynamic, cache_dir, .*direct_dispatch, options"):
+                       r"allowed: dynamic, cache_dir, .*pp_rank, options"):
         cache_compile(Layer().forward, cache_dri="x")
 
 

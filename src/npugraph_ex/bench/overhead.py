@@ -180,34 +180,14 @@ class Workload:
                 for _ in range(3):
                     cold(*self.inputs)
         warm = cache_compile(self.model.forward, dynamic=False, cache_dir=cache_dir)
-        # the same warm start calling dynamo's bytecode every call (no flat-argument plan)
-        bytecode = cache_compile(self.model.forward, dynamic=False, cache_dir=cache_dir,
-                                 direct_dispatch=False)
-        # the same warm start with AOT's runtime wrapper on every call: its plans are made while
-        # the check that lets a plan skip the wrapper answers "no" (an A/B in the same rounds)
-        wrapped = cache_compile(self.model.forward, dynamic=False, cache_dir=cache_dir)
-        skip_check = cache_compat.trivial_aot_call
-        cache_compat.trivial_aot_call = lambda compiled: None
-        try:
-            with torch.no_grad():
-                for _ in range(3):
-                    wrapped_out = wrapped(*self.inputs)
-        finally:
-            cache_compat.trivial_aot_call = skip_check
         with torch.no_grad():
             expected = self.model(*self.inputs)
             for _ in range(3):
                 out = warm(*self.inputs)
-                plain_out = bytecode(*self.inputs)
-        if (not torch.allclose(out, expected, rtol=1e-4, atol=1e-5)
-                or not torch.allclose(plain_out, expected, rtol=1e-4, atol=1e-5)
-                or not torch.allclose(wrapped_out, expected, rtol=1e-4, atol=1e-5)
-                or len(seen) != 1):
+        if not torch.allclose(out, expected, rtol=1e-4, atol=1e-5) or len(seen) != 1:
             raise RuntimeError("cache_compile: output differs from eager or not one graph")
         self.fns["ours: serving path (cache_compile, cold) call"] = self.call(cold)
         self.fns["ours: serving path (cache_compile, warm) call"] = self.call(warm)
-        self.fns["ours: serving path, direct_dispatch=False (warm) call"] = self.call(bytecode)
-        self.fns["ours: serving path, AOT's wrapper kept (warm) call"] = self.call(wrapped)
         self.fns["ours: serving path bare replay"] = next(iter(seen[0].runner.graphs.values())).replay
         # a server whose weights never move (frozen_parameter: no per-call address checks)
         frozen_seen: list[Any] = []
@@ -263,10 +243,6 @@ def _serving_figures(sec: Section, w: Workload, t: dict[str, float]) -> None:
         sec.figures.append(Figure.check(name, overhead, "µs", f"<= {TARGET_US} µs",
                                         overhead <= TARGET_US))
     variants = (  # (timed call, its bare replay, data key, figure, note)
-        ("direct_dispatch=False (warm)", "", "bytecode", "with dynamo's bytecode every call",
-         "direct_dispatch=False, warm, same rounds"),
-        ("AOT's wrapper kept (warm)", "", "aot_wrapper", "with AOT's runtime wrapper every call",
-         "plan not skipping it, warm, same rounds"),
         ("frozen_parameter (cold)", ", frozen_parameter", "frozen_parameter",
          "with frozen_parameter=True", "no per-call address checks of the 100 parameters"),
     )

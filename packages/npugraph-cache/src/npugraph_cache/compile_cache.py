@@ -25,7 +25,6 @@ import torch
 
 from npugraph_cache import _compat
 from npugraph_cache.__about__ import __version__
-from npugraph_cache.dispatch import Direct, plan, registrations
 from npugraph_cache.entries import EntryReader, bump
 from npugraph_cache.errors import (
     CacheArgumentError,
@@ -58,7 +57,7 @@ Backend = Callable[[torch.fx.GraphModule, list[Any]], Any]
 CompileFn = Callable[[Mapping[str, Any] | None, Mapping[Any, Any] | None], Backend]
 
 _ALLOWED_KWARGS = ("options", "custom_decompositions")
-_USER_KEYWORDS = ("dynamic", "cache_dir", "global_rank", "tp_rank", "pp_rank", "direct_dispatch")
+_USER_KEYWORDS = ("dynamic", "cache_dir", "global_rank", "tp_rank", "pp_rank")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,11 +131,9 @@ def _detached(qualname: str) -> Callable[..., Any]:
 
 class _Entry:
     """One entry in use: what selects it for a call (value signature, value guards, kept
-    guards), the compiled function, and its direct-dispatch plan (None: through dynamo's
-    bytecode) with the registration count it was made at."""
+    guards) and the compiled function, called with its guards on every call."""
 
-    __slots__ = ("compiled", "direct", "guards_pass", "registrations", "signature",
-                 "training", "values_match")
+    __slots__ = ("compiled", "guards_pass", "signature", "training", "values_match")
 
     def __init__(
         self, signature: tuple[Any, ...], compiled: Any,
@@ -150,8 +147,6 @@ class _Entry:
         self.compiled = compiled
         self.values_match = values_match
         self.guards_pass = guards_pass
-        self.direct: Direct | None = None
-        self.registrations = -1
 
 
 class CacheCompiledFunction:
@@ -173,7 +168,6 @@ class CacheCompiledFunction:
         key_extra: Mapping[str, Any] | None,
         entry_data: EntryData | None = None,
         parameter_guards: bool = True,
-        direct_dispatch: bool = True,
     ) -> None:
         self._method = func
         self._module: torch.nn.Module = func.__self__  # type: ignore[attr-defined]
@@ -188,7 +182,6 @@ class CacheCompiledFunction:
         self.key_extra = dict(key_extra or {})
         self.entry_data = entry_data
         self.parameter_guards = parameter_guards
-        self.direct_dispatch = direct_dispatch
         # dynamic: Python floats are graph inputs (a temperature new on every call reuses the
         # entry) until a compile finds one the code must specialise; then one entry per value
         self._float_values = not dynamic
@@ -242,14 +235,9 @@ class CacheCompiledFunction:
             if (entry.signature != signature or entry.training is not training
                     or not entry.values_match(args, kwargs)):
                 continue
-            direct = entry.direct
-            if direct is not None and entry.registrations == registrations() and not kwargs:
-                if entry.guards_pass((self._module, *args), kwargs):
-                    return direct(args)
-                continue
             call_args = (self._module, *args)
             if entry.guards_pass(call_args, kwargs):
-                return self._call_planning(entry, args, call_args, kwargs)
+                return entry.compiled(*call_args, **kwargs)
         with self._miss_lock:
             return self._miss(signature, args, kwargs)
 
@@ -261,7 +249,7 @@ class CacheCompiledFunction:
             if (entry.signature == signature and entry.training is training
                     and entry.values_match(args, kwargs)
                     and entry.guards_pass(call_args, kwargs)):
-                return self._call_planning(entry, args, call_args, kwargs)
+                return entry.compiled(*call_args, **kwargs)
         try:
             compiled, guards, loaded = self._obtain(args, kwargs)
         except FloatsSpecialised:
@@ -327,25 +315,6 @@ class CacheCompiledFunction:
         )
         bump("state_writers")
         return self._compile_without_cache(fullgraph=False, automatic_dynamic=True)
-
-    def _call_planning(
-        self, entry: _Entry, args: tuple[Any, ...], call_args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> Any:
-        """A call through dynamo's bytecode that, where the entry allows it, also makes the plan
-        later calls take (dispatch.py). Runs on an entry's second call and after any
-        parameter, buffer or submodule assignment; an entry that got no plan is not probed
-        again until the next assignment (the same bytecode would give the same answer)."""
-        count = registrations()
-        if (kwargs or not self.direct_dispatch or isinstance(entry.compiled, _Uncached)
-                or entry.registrations == count):
-            return entry.compiled(*call_args, **kwargs)
-        entry.registrations = count
-        result, probe = _compat.probe_call(entry.compiled, call_args)
-        entry.direct = plan(self._module, args, probe, result)
-        if entry.direct is not None:
-            bump("direct_plans")
-        return result
 
     def _finish_entry(self) -> None:
         """Rewrite the entry just compiled with what its first call taught the compiler."""
@@ -568,7 +537,6 @@ def cache_compile(
     key_extra: Mapping[str, Any] | None = None,
     entry_data: EntryData | None = None,
     parameter_guards: bool = True,
-    direct_dispatch: bool = True,
     **kwargs: Any,
 ) -> CacheCompiledFunction:
     """Compile ``func`` (a bound method of an ``nn.Module``) once and cache it on disk.
@@ -582,13 +550,17 @@ def cache_compile(
     what that backend adds to the key (versions, options hash, pass identities);
     ``entry_data`` what it learns on an entry's first call and wants back on a load;
     ``parameter_guards=False`` (for a compile_fn whose runtime checks parameter addresses
-    itself, and which puts that choice in key_extra) keeps no per-call guard on parameters;
-    ``direct_dispatch`` (default) calls the compiled graph with a flat-argument plan once the
-    guards pass, instead of dynamo's bytecode (see npugraph_cache.dispatch; False: always the
-    bytecode).
+    itself, and which puts that choice in key_extra) keeps no per-call guard on parameters.
+    Every call runs torch's compiled function (its guard tree, then dynamo's bytecode).
     kwargs: ``options=`` and ``custom_decompositions=`` only.
     """
     unknown = sorted(set(kwargs) - set(_ALLOWED_KWARGS))
+    if "direct_dispatch" in unknown:
+        raise CacheArgumentError(
+            f"cache_compile: direct_dispatch={kwargs['direct_dispatch']!r}: the option was "
+            "removed; every call runs torch's compiled function with its guards (no flat-argument "
+            "plan), so leave it out"
+        )
     if unknown:
         # every keyword a user may pass, not just the two **kwargs: a typo of cache_dir must
         # not read as "cache_dir is not allowed"
@@ -609,11 +581,10 @@ def cache_compile(
             f"cache_compile: func must be a method of an nn.Module, got a method of "
             f"{type(func.__self__).__name__}"
         )
-    for flag, given in (("dynamic", dynamic), ("direct_dispatch", direct_dispatch)):
-        if not isinstance(given, bool):
-            raise CacheArgumentError(
-                f"cache_compile: {flag} must be True or False, got {describe(given)}"
-            )
+    if not isinstance(dynamic, bool):
+        raise CacheArgumentError(
+            f"cache_compile: dynamic must be True or False, got {describe(dynamic)}"
+        )
     for name, value in (("global_rank", global_rank), ("tp_rank", tp_rank), ("pp_rank", pp_rank)):
         if value is not None and (
             not isinstance(value, int) or isinstance(value, bool) or value < 0
@@ -641,7 +612,6 @@ def cache_compile(
         key_extra=key_extra,
         entry_data=entry_data,
         parameter_guards=parameter_guards,
-        direct_dispatch=direct_dispatch,
     )
 
 

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from npugraph_cache import _compat, dispatch
+from npugraph_cache import _compat, registrations
 from npugraph_cache.errors import FormatError
 
 # value guards torch keeps, recorded too for the check before an entry is unpickled (a warning
@@ -254,7 +254,7 @@ class ValueGuards:
         checked on every call: ``model.norm.train()`` or ``model.drop.eval()`` alone is an
         ordinary thing to do in a running process. Read from the module objects, which are
         looked up again only after a submodule assignment (the registration count of
-        ``dispatch``): walking each ``self._modules[...]`` chain costs ~0.7 µs a module, reading
+        ``npugraph_cache.registrations``): walking each ``self._modules[...]`` chain costs ~0.7 µs a module, reading
         the flag ~0.07 µs."""
         picked = [i for i, source in enumerate(self.sources) if _is_mode(source, self.self_name)]
         if not picked:
@@ -262,11 +262,11 @@ class ValueGuards:
         owners = _evaluator((self.self_name,),
                             [self.sources[i][: -len(_MODE)] for i in picked], described=False)
         want = tuple(self.expected[i][1] for i in picked)
-        counted = dispatch.count_registrations()
+        counted = registrations.count_registrations()
         held: list[Any] = [-1, ()]  # (registration count, the modules)
 
         def modes(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-            count = dispatch.registrations()
+            count = registrations.registrations()
             if count != held[0] or not counted:
                 try:
                     held[1] = owners({}, module)
