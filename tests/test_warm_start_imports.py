@@ -30,6 +30,7 @@ COMPILE_ONLY = (
     "npugraph_passes.reinplace",
     "npugraph_passes.stream_scopes",
     "npugraph_backend.specs",
+    "npugraph_backend.padding_analysis",
     "npugraph_backend.dfx.data_dump",
     "npugraph_backend.dfx.deadlock",
     "npugraph_backend.dfx.debug",

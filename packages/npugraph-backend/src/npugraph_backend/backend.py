@@ -26,7 +26,7 @@ from npugraph_backend.compiler import (
 )
 from npugraph_backend.config import CompilerConfig, OptionError
 from npugraph_backend.logs import log
-from npugraph_backend.padding_analysis import argument_names
+from npugraph_backend.padding_plan import argument_names
 from npugraph_backend.torch_streams import (
     EXTERNAL_WAITS,
     rewrite_torch_streams,

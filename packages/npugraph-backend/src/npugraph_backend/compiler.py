@@ -28,7 +28,7 @@ from npugraph_backend.config import NPU_ONLY_OPTIONS, CompilerConfig, rebuild_co
 from npugraph_backend.dfx import ranges
 from npugraph_backend.logs import log
 from npugraph_backend.padding import PaddedCall
-from npugraph_backend.padding_analysis import ArgumentNames, PaddingPlan, plan_for
+from npugraph_backend.padding_plan import ArgumentNames, PaddingPlan
 
 
 class EagerFallbackWarning(UserWarning):
@@ -253,6 +253,7 @@ def compile_graph(
     from npugraph_passes.stream_scopes import lower_stream_scopes
 
     from npugraph_backend.dfx import data_dump, deadlock
+    from npugraph_backend.padding_analysis import plan_for
     from npugraph_backend.scalar_inputs import as_value_inputs, lift_value_ints
     from npugraph_backend.specs import build_specs
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from npugraph_backend.padding_analysis import PaddedInput, PaddingPlan
+from npugraph_backend.padding_plan import PaddedInput, PaddingPlan
 
 
 class _Padded:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,32 +25,13 @@ from npugraph_runtime import InputSpec, OutputSpec, SlotKind
 from npugraph_backend import _compat
 from npugraph_backend.config import CompilerConfig, OptionError, resolved_capture_sizes
 from npugraph_backend.logs import log
+from npugraph_backend.padding_plan import ArgumentNames, PaddedInput, PaddingPlan
 from npugraph_backend.specs import GraphSpecs
 
 
 class PaddingRefused(ValueError):
     """capture_sizes / pad_values cannot be applied to this graph; the message says which op or
     input, and the user's source line."""
-
-
-@dataclass(frozen=True)
-class PaddedInput:
-    slot: int
-    dims: tuple[tuple[int, int], ...]  # (dim, padded symbol index)
-    pad: int | float | bool | None  # None: repeat the last real row
-    mutated: bool
-
-
-@dataclass(frozen=True)
-class PaddingPlan:
-    """What the padded call (padding.py) needs, as plain data."""
-
-    sizes: tuple[int, ...]
-    symbols: tuple[str, ...]
-    locate: tuple[tuple[int, int | None], ...]  # per symbol: (slot, tensor dim or None: an int)
-    inputs: tuple[PaddedInput, ...]
-    int_slots: tuple[tuple[int, int], ...]  # (slot, symbol index) of int inputs equal to a symbol
-    outputs: tuple[tuple[tuple[int, int, int], ...], ...]  # per output: (dim, symbol, factor)
 
 
 # ops that move, view or convert elements one to one, whatever their dims
@@ -533,26 +513,6 @@ def plan_padding(
         out_plan.append(tuple(sliced))
     return PaddingPlan(sizes, tuple(str(s) for s in symbols), tuple(locate),
                        tuple(padded_inputs), tuple(int_slots), tuple(out_plan))
-
-
-@dataclass(frozen=True)
-class ArgumentNames:
-    """What the Dynamo graph knows and the AOT graph does not: per Dynamo input, the forward
-    argument it is; the forward's argument names reaching the graph; whether torch.compile was
-    told dynamic=False."""
-
-    inputs: tuple[str | None, ...]
-    arguments: tuple[str, ...]
-    dynamic_off: bool
-    labels: tuple[str | None, ...] = ()
-
-
-def argument_names(gm: torch.fx.GraphModule, config: CompilerConfig) -> ArgumentNames | None:
-    """Read from a Dynamo graph, inside the backend call (None when capture_sizes is off)."""
-    if config.capture_sizes is None:
-        return None
-    return ArgumentNames(_compat.dynamo_input_names(gm), _compat.dynamo_argument_names(gm),
-                         _compat.dynamic_shapes_off(), _compat.dynamo_input_labels(gm))
 
 
 def plan_for(
