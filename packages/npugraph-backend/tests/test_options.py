@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -363,3 +365,29 @@ def test_a_compiler_config_object_is_accepted_as_options_and_not_modified(
         torch.testing.assert_close(f(x), model(x))
     assert counter("recapture_due_to_force_recapture_") == 2
     assert config == CompilerConfig(force_recapture=True)
+
+
+class Accumulating(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.register_buffer("acc", torch.zeros(16))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.acc.add_(x.mean(0))
+        y = torch.relu(self.proj(x)) + self.acc
+        return y, y[:2], self.acc
+
+
+@pytest.mark.parametrize("options", [
+    {"force_recapture": True}, {"capture_limit": 1}, {"reuse_graph_pool_in_same_fx": False},
+    {"frozen_parameter": True, "clone_input": False, "clone_output": True},
+])
+def test_options_keep_replays_and_buffers_equal_to_eager(replays_match_eager: Callable[..., None], options: dict[str, Any],
+                                                          counter: Callable[[str], int]) -> None:
+    model = Accumulating().eval()
+    compiled_model = copy.deepcopy(model)
+    replays_match_eager(model, compiled(compiled_model, **options),
+                        lambda i: (torch.randn(4, 16),))
+    torch.testing.assert_close(compiled_model.acc, model.acc)
+    assert counter("capture_due_to_new_key_") == 1
