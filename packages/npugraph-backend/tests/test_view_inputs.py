@@ -58,3 +58,18 @@ def test_graph_writes_into_offset_views_of_inputs(replays_match_eager: Callable[
     replays_match_eager(write_into_views, _compile(write_into_views, clone_input=clone_input),
                         make)
     assert counter("capture_due_to_new_key_") == 1
+
+
+# Fixed in the runtime (c7cf722: owned input buffers keep the caller's layout).
+def test_transposed_user_input_viewed_after_transpose(replays_match_eager: Callable[..., None]) -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x.t().reshape(-1) * 2
+
+    replays_match_eager(f, _compile(f), lambda i: (torch.randn(4, 3).t(),))
+
+
+def test_as_strided_of_a_transposed_user_input(replays_match_eager: Callable[..., None]) -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x.as_strided((3,), (1,)) * 2
+
+    replays_match_eager(f, _compile(f), lambda i: (torch.randn(4, 3).t(),))
