@@ -9,10 +9,13 @@ import textwrap
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 from npugraph_backend import CompiledGraph, ForwardCompiler, _compat, compile_fx
 from npugraph_backend.config import CompilerConfig
 from npugraph_runtime import SlotKind
+from torch import nn
+from torch.testing import assert_close
 
 
 def test_backend_is_registered_without_importing_us() -> None:
@@ -193,3 +196,40 @@ def test_without_descriptors_inputs_are_mapped_in_metadata_order() -> None:
     assert found["without"].how == "metadata order"
     assert found["without"].inputs == found["with"].inputs
     assert found["without"].outputs == found["with"].outputs
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_model(replays_match_eager: Callable[..., None], dtype: torch.dtype) -> None:
+    m = nn.Sequential(nn.Linear(4, 8), nn.SiLU(), nn.Linear(8, 4)).to(dtype)
+    replays_match_eager(m, torch.compile(m, backend="npugraph_ex", fullgraph=True, dynamic=False), lambda i: (torch.randn(2, 4, dtype=dtype),))
+
+
+def test_int64_index_input(replays_match_eager: Callable[..., None]) -> None:
+    emb = nn.Embedding(10, 4)
+
+    def f(ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return emb(ids) + pos.to(torch.float32).unsqueeze(-1)
+
+    replays_match_eager(f, torch.compile(f, backend="npugraph_ex", fullgraph=True, dynamic=False), lambda i: (torch.randint(0, 10, (2, 3)), torch.arange(3) + i))
+
+
+def test_called_with_keyword_arguments() -> None:
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None,
+                    shift: float = 0.0) -> torch.Tensor:
+            y = self.lin(x)
+            if scale is not None:
+                y = y * scale
+            return y + shift
+
+    m = M()
+    c = torch.compile(m, backend="npugraph_ex", fullgraph=True, dynamic=False)
+    for _ in range(3):
+        x, s = torch.randn(2, 4), torch.randn(4)
+        with torch.no_grad():
+            assert_close(c(x, scale=s, shift=1.5), m(x, scale=s, shift=1.5))
+            assert_close(c(scale=s, x=x), m(x, scale=s))

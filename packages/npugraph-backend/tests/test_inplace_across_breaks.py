@@ -8,6 +8,7 @@ a forward that updates the caller's fresh input in place, and for the break unde
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -108,3 +109,15 @@ def test_a_fresh_input_updated_in_place_replays(options: dict[str, Any]) -> None
     assert _captures()[1] == 0 and made_after[0] > 0
     assert made_after[-1] == made_after[5], made_after  # one capture a call before
     assert sum(v for k, v in counters["npugraph_ex"].items() if k.startswith("copied_")) == 1
+
+
+def test_graph_breaks_several_graphs(replays_match_eager: Callable[..., None]) -> None:
+    def f(x: torch.Tensor, buf: torch.Tensor) -> torch.Tensor:
+        y = x.sin()
+        buf.add_(y)
+        torch._dynamo.graph_break()
+        z = y.cos() + buf
+        torch._dynamo.graph_break()
+        return z * 2 + x
+
+    replays_match_eager(f, torch.compile(f, backend="npugraph_ex", dynamic=False), lambda i: (torch.randn(3), torch.randn(3)))

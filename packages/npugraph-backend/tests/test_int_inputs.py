@@ -292,3 +292,24 @@ def test_two_ints_both_values(counter: Callable[[str], int]) -> None:
             _same(compiled(t, pos, stride), fn(t, pos, stride))
     assert 1 <= _captures(counter) <= 2
     assert _fallbacks(counter) == 0
+
+
+def test_kv_cache_slice_assign_at_a_dynamic_position(replays_match_eager: Callable[..., None]) -> None:
+    def f(k: torch.Tensor, pos: int, new: torch.Tensor) -> torch.Tensor:
+        k[:, pos:pos + 1] = new
+        return k[:, :pos + 1].sum(1)
+
+    positions = [2, 3, 5, 4]
+    replays_match_eager(f, torch.compile(f, backend="npugraph_ex", fullgraph=True, dynamic=True),
+             lambda i: (torch.randn(2, 8, 3), positions[i], torch.randn(2, 1, 3)), calls=len(positions))
+
+
+def test_intermediate_slice_assign_at_a_dynamic_position(replays_match_eager: Callable[..., None]) -> None:
+    def f(x: torch.Tensor, pos: int, new: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x * 2
+        y[:, pos:pos + 1] = new
+        return y, y[:, pos:].sum(1)
+
+    positions = [2, 3, 5, 4]
+    replays_match_eager(f, torch.compile(f, backend="npugraph_ex", fullgraph=True, dynamic=True),
+             lambda i: (torch.randn(2, 8, 3), positions[i], torch.randn(2, 1, 3)), calls=len(positions))

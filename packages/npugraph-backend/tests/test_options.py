@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -37,14 +39,19 @@ def test_default_options_capture_once_and_replay_with_eager_results(counter: Cal
     assert all(v > 0 for v in _compat.counters().values())  # no counter created at 0
 
 
-def test_inference_mode_is_captured_like_no_grad(counter: Callable[[str], int]) -> None:
+@pytest.mark.parametrize("modes", [("inference_mode",) * 3, ("no_grad",) * 3,
+                                   ("no_grad", "inference_mode") * 2],
+                         ids=["inference_mode", "no_grad", "alternating"])
+def test_inference_mode_is_captured_like_no_grad(modes: tuple[str, ...],
+                                                 counter: Callable[[str], int]) -> None:
     model = TwoLayer()
     f = compiled(model)
-    with torch.inference_mode():
-        for _ in range(3):
+    for mode in modes:
+        with torch.inference_mode() if mode == "inference_mode" else torch.no_grad():
             x = torch.randn(2, 8)
             torch.testing.assert_close(f(x), model(x))
-    assert counter("capture_due_to_new_key_") == 1
+    # one capture per mode (inference mode is a key of its own); alternating replays both
+    assert counter("capture_due_to_new_key_") == len(set(modes))
 
 
 @torch.no_grad()
@@ -52,7 +59,7 @@ def test_capture_limit_falls_back_to_eager_with_exactly_one_warning(counter: Cal
     f = compiled(lambda x: x * 2 + 1, dynamic=True, capture_limit=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for n in (2, 3, 4, 5, 4, 6):
+        for n in (2, 3, 4, 5, 4, 6, 2, 5, 3):  # back on the captured sizes: replays
             x = torch.randn(n, 3)
             torch.testing.assert_close(f(x), x * 2 + 1)
     limit = [w for w in caught if "capture_limit" in str(w.message)]
@@ -149,9 +156,28 @@ def test_parameters_updated_in_place_are_seen_by_replay(frozen: bool) -> None:
     f = compiled(model, frozen_parameter=frozen)
     x = torch.randn(2, 8)
     f(x)
-    model.a.weight.mul_(2)
-    model.b.bias.add_(1)
-    torch.testing.assert_close(f(x), model(x))
+    for _ in range(3):  # updated again before each replay
+        model.a.weight.mul_(2)
+        model.b.bias.add_(1)
+        torch.testing.assert_close(f(x), model(x))
+        x = torch.randn(2, 8)
+
+
+@pytest.mark.parametrize("how", ["new_parameter", "data", "set_"])
+@torch.no_grad()
+def test_parameter_rebound_before_every_call_is_read_without_frozen_parameter(how: str) -> None:
+    m = torch.nn.Linear(4, 3)
+    c = compiled(m, frozen_parameter=False)
+    for _ in range(4):
+        x = torch.randn(2, 4)
+        torch.testing.assert_close(c(x), m(x))
+        new = torch.randn(3, 4)
+        if how == "new_parameter":
+            m.weight = torch.nn.Parameter(new)
+        elif how == "data":
+            m.weight.data = new
+        else:
+            m.weight.set_(new)
 
 
 @torch.no_grad()
@@ -222,18 +248,26 @@ def test_pool_choice_within_one_fx_graph_keeps_results_right(reuse: bool) -> Non
         torch.testing.assert_close(f(x), torch.tanh(x) * 3)
 
 
+@pytest.mark.parametrize("clone_output", [False, True])
 @torch.no_grad()
-def test_use_graph_pool_shared_by_two_compiled_functions() -> None:
+def test_use_graph_pool_shared_by_two_compiled_functions(clone_output: bool) -> None:
     import npugraph_runtime
 
     pool = npugraph_runtime.graph_pool_handle("cpu")
-    f = compiled(lambda x: x.sin() + 1, use_graph_pool=pool)
-    g = compiled(lambda x: x.cos() * 2, use_graph_pool=pool)
-    x = torch.randn(3, 3)
-    a = f(x).clone()
-    b = g(x).clone()
-    torch.testing.assert_close(a, x.sin() + 1)
-    torch.testing.assert_close(b, x.cos() * 2)
+    m1 = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    m2 = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
+    c1 = compiled(m1, use_graph_pool=pool, clone_output=clone_output)
+    c2 = compiled(m2, use_graph_pool=pool, clone_output=clone_output)
+    kept = []
+    for _ in range(3):
+        x = torch.randn(2, 4)
+        o1, o2 = c1(x), c2(x)
+        torch.testing.assert_close(o1, m1(x))
+        torch.testing.assert_close(o2, m2(x))
+        kept.append((o1, m1(x), o2, m2(x)))
+    for o1, w1, o2, w2 in kept:  # neither function's replays overwrote the other's outputs
+        torch.testing.assert_close(o1, w1)
+        torch.testing.assert_close(o2, w2)
 
 
 @torch.no_grad()
@@ -363,3 +397,29 @@ def test_a_compiler_config_object_is_accepted_as_options_and_not_modified(
         torch.testing.assert_close(f(x), model(x))
     assert counter("recapture_due_to_force_recapture_") == 2
     assert config == CompilerConfig(force_recapture=True)
+
+
+class Accumulating(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(16, 16)
+        self.register_buffer("acc", torch.zeros(16))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        self.acc.add_(x.mean(0))
+        y = torch.relu(self.proj(x)) + self.acc
+        return y, y[:2], self.acc
+
+
+@pytest.mark.parametrize("options", [
+    {"force_recapture": True}, {"capture_limit": 1}, {"reuse_graph_pool_in_same_fx": False},
+    {"frozen_parameter": True, "clone_input": False, "clone_output": True},
+])
+def test_options_keep_replays_and_buffers_equal_to_eager(replays_match_eager: Callable[..., None], options: dict[str, Any],
+                                                          counter: Callable[[str], int]) -> None:
+    model = Accumulating().eval()
+    compiled_model = copy.deepcopy(model)
+    replays_match_eager(model, compiled(compiled_model, **options),
+                        lambda i: (torch.randn(4, 16),))
+    torch.testing.assert_close(compiled_model.acc, model.acc)
+    assert counter("capture_due_to_new_key_") == 1

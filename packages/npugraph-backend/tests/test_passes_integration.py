@@ -3,6 +3,7 @@ torch.compile(backend="npugraph_ex") on CPU, and that the compiled results equal
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -10,6 +11,8 @@ from typing import Any
 import pytest
 import torch
 from npugraph_passes import register_replacement
+from torch import nn
+from torch.testing import assert_close
 
 aten = torch.ops.aten
 
@@ -241,3 +244,188 @@ def test_custom_op_cache_is_written_in_place_not_cloned() -> None:
     assert seen.count(torch.ops.npugraph_backend_test.write_cache.default) == 1
     assert seen.count(aten.clone.default) == 0
     assert seen.input_copies() == 0
+
+
+def test_cat_of_mm_outputs_also_used_elsewhere(replays_match_eager: Callable[..., None]) -> None:
+    def f(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        a = x @ w1
+        b = x @ w2
+        c = torch.cat([a, b], dim=1)
+        return c, a + 1, b.sum()
+
+    replays_match_eager(f, _compile(f), lambda i: (torch.randn(3, 4), torch.randn(4, 5), torch.randn(4, 2)))
+
+
+def test_cat_of_mm_outputs_then_mutated(replays_match_eager: Callable[..., None]) -> None:
+    def f(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        a = x @ w1
+        b = x @ w2
+        c = torch.cat([a, b], dim=1)
+        c.mul_(2)
+        return c, a, b
+
+    replays_match_eager(f, _compile(f), lambda i: (torch.randn(3, 4), torch.randn(4, 5), torch.randn(4, 2)))
+
+
+def test_cat_dim1_of_non_contiguous_producers(replays_match_eager: Callable[..., None]) -> None:
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        a = (x * 2).t()
+        b = (y + 1).t()
+        return torch.cat([a, b], dim=1)
+
+    replays_match_eager(f, _compile(f), lambda i: (torch.randn(3, 4), torch.randn(5, 4)))
+
+
+def test_cat_dim0_of_transposed_mm(replays_match_eager: Callable[..., None]) -> None:
+    def f(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        a = torch.mm(x, w1).t()
+        b = torch.mm(x, w2).t()
+        return torch.cat([a, b], dim=0) + 0
+
+    replays_match_eager(f, _compile(f), lambda i: (torch.randn(3, 4), torch.randn(4, 5), torch.randn(4, 2)))
+
+
+def test_noop_slice_output_does_not_alias_input() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x[:, :].clone()[0:]
+
+    c = _compile(f)
+    for _ in range(3):
+        x = torch.randn(3, 4)
+        with torch.no_grad():
+            out = c(x)
+        assert_close(out, x)
+        assert out.data_ptr() != x.data_ptr()
+        x.add_(1)
+        assert not torch.equal(out, x)
+
+
+def test_noop_ops_output_is_fresh() -> None:
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return x.clone(), x + 0, x * 1, x.to(torch.float32).clone(), torch.pow(x, 1)
+
+    c = _compile(f, clone_output=True)
+    for _ in range(3):
+        x = torch.randn(3)
+        with torch.no_grad():
+            outs = c(x)
+        for o in outs:
+            assert_close(o, x)
+        x.add_(5)
+        for o in outs:
+            assert not torch.equal(o, x)
+
+
+def test_pow_one_output() -> None:
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = torch.pow(x, 1)
+        return y, y + x
+
+    c = _compile(f)
+    for _ in range(3):
+        x = torch.randn(3)
+        with torch.no_grad():
+            y, z = c(x)
+        assert_close(y, x)
+        assert_close(z, 2 * x)
+        x.add_(1)
+        assert not torch.equal(y, x)
+
+
+def test_reinplace_old_value_read_later(replays_match_eager: Callable[..., None]) -> None:
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = x * 2
+        b = a.relu()  # candidate for in-place on a...
+        c = a + b  # ...but a is read after
+        return b, c
+
+    replays_match_eager(f, _compile(f), lambda i: (torch.randn(4, 4),))
+
+
+def test_reinplace_add_then_read_original(replays_match_eager: Callable[..., None]) -> None:
+    def f(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = x + 1
+        b = a.add(y)
+        c = a.mul(y)
+        return b, c
+
+    replays_match_eager(f, _compile(f), lambda i: (torch.randn(4), torch.randn(4)))
+
+
+def test_mm_add_broadcast_row(replays_match_eager: Callable[..., None]) -> None:
+    def f(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.mm(x, w) + b
+
+    replays_match_eager(f, _compile(f), lambda i: (torch.randn(3, 4), torch.randn(4, 5), torch.randn(5)))
+
+
+def test_mm_add_broadcast_column(replays_match_eager: Callable[..., None]) -> None:
+    def f(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.mm(x, w) + b
+
+    replays_match_eager(f, _compile(f), lambda i: (torch.randn(3, 4), torch.randn(4, 5), torch.randn(3, 1)))
+
+
+def test_mm_add_result_broadcast_bigger(replays_match_eager: Callable[..., None]) -> None:
+    def f(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.mm(x, w) + b
+
+    replays_match_eager(f, _compile(f), lambda i: (torch.randn(3, 4), torch.randn(4, 5), torch.randn(2, 3, 5)))
+
+
+def test_add_mm_reversed_operands_and_alpha(replays_match_eager: Callable[..., None]) -> None:
+    def f(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (b + torch.mm(x, w), torch.add(torch.mm(x, w), b, alpha=2), b - torch.mm(x, w),
+                b.add(torch.mm(x, w), alpha=3),
+                torch.bmm(x.unsqueeze(0), w.unsqueeze(0)).add(b, alpha=0.5))
+
+    replays_match_eager(f, _compile(f), lambda i: (torch.randn(3, 4), torch.randn(4, 5), torch.randn(3, 5)))
+
+
+def test_bmm_add_broadcast_bias(replays_match_eager: Callable[..., None]) -> None:
+    def f(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.bmm(x, w) + b
+
+    for bshape in [(5,), (2, 1, 5), (3, 1), (1, 3, 5)]:
+        torch._dynamo.reset()
+        replays_match_eager(f, _compile(f), lambda i, s=bshape: (torch.randn(2, 3, 4), torch.randn(2, 4, 5), torch.randn(*s)))
+
+
+def test_linear_chain_with_bias_int_dtype_mix(replays_match_eager: Callable[..., None]) -> None:
+    lin = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
+    replays_match_eager(lin, _compile(lin), lambda i: (torch.randn(3, 4),))
+
+
+
+class RunningMean(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.register_buffer("mean", torch.zeros(4, 16))
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.lin(x) + bias
+        self.mean.add_(y.detach() * 0.1)
+        return y, self.mean
+
+
+@pytest.mark.parametrize("inplace_pass", [True, False])
+@torch.no_grad()
+def test_detached_view_of_a_reinplaced_intermediate_is_not_written(
+    inplace_pass: bool, counter: Callable[[str], int]
+) -> None:
+    model = RunningMean().eval()
+    twin = copy.deepcopy(model)
+    step = torch.compile(model, backend="npugraph_ex", fullgraph=True,
+                         options={"inplace_pass": inplace_pass})
+    kept = []
+    for _ in range(6):
+        x, bias = torch.randn(4, 16), torch.randn(16)
+        got, mean = step(x, bias)
+        want, want_mean = twin(x, bias)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(mean, want_mean)
+        kept.append((got, want.clone()))
+    for got, want in kept:
+        torch.testing.assert_close(got, want)
+    assert counter("captured_") >= 1
