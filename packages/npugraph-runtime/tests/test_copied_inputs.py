@@ -7,9 +7,12 @@ the address rule: it is never copied."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from npugraph_runtime import make_graphed_callable
+from npugraph_runtime.bindings import Binding, slot_bindings
 from npugraph_runtime.copied_inputs import LIVES
 from torch._dynamo.utils import counters
 
@@ -188,6 +191,35 @@ def test_a_long_request_after_one_call_requests_is_not_copied() -> None:
     _one_call_requests(fn, w, 6)  # requests of one call again: copied again, no capture each
     assert _copying(fn)
     assert len(fn.events) - before <= 3 + 3, [e.reason for e in fn.events]
+
+
+def _serving_binding(fn: Any, slot: int) -> Binding:
+    """The binding of ``slot`` in the capture whose replay closure serves the key now."""
+    (key,) = fn._captures
+    cap = next(c for c in fn._captures[key] if c.replay is fn._runs[key])
+    return slot_bindings(fn._slots, cap, fn._copied.get(key))[slot]
+
+
+def test_a_copied_slot_is_a_binding_of_the_capture_that_serves_it() -> None:
+    """No run path beside the replay closure: while the key copies, the closure the hot path
+    calls is a capture's, with the cache slot COPY_IN_OUT; once a request's cache lives, the
+    closures are generated again and it is PINNED."""
+    torch.manual_seed(2)
+    w = torch.randn(8, 8)
+    fn = make_graphed_callable(decode, (torch.zeros(4, 8), torch.randn(4, 8), w),
+                               static_argnums=(2,), mutated_argnums=(0,))
+    _one_call_requests(fn, w)
+    assert _copying(fn)
+    assert _serving_binding(fn, 0) is Binding.COPY_IN_OUT
+    assert _serving_binding(fn, 2) is Binding.PINNED
+    cache = torch.randn(4, 8)
+    want_cache = cache.clone()
+    for _ in range(STEPS):
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(fn(cache, x, w), decode(want_cache, x, w))
+        torch.testing.assert_close(cache, want_cache)
+    assert not _copying(fn)
+    assert _serving_binding(fn, 0) is Binding.PINNED
 
 
 def test_two_long_requests_in_turn_after_one_call_requests_are_not_copied() -> None:
