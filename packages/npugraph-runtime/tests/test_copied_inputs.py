@@ -163,16 +163,22 @@ def _one_call_requests(fn: object, w: torch.Tensor, n: int = 4) -> None:
         del cache
 
 
+def _copying_decoder(seed: int) -> tuple[Any, torch.Tensor]:
+    """A decode step after requests of one call each: its key copies the cache."""
+    torch.manual_seed(seed)
+    w = torch.randn(8, 8)
+    fn = make_graphed_callable(decode, (torch.zeros(4, 8), torch.randn(4, 8), w),
+                               static_argnums=(2,), mutated_argnums=(0,))
+    _one_call_requests(fn, w)
+    return fn, w
+
+
 def _copying(fn: object) -> bool:
     return bool(fn._copied)  # type: ignore[attr-defined]
 
 
 def test_a_long_request_after_one_call_requests_is_not_copied() -> None:
-    torch.manual_seed(0)
-    w = torch.randn(8, 8)
-    fn = make_graphed_callable(decode, (torch.zeros(4, 8), torch.randn(4, 8), w),
-                               static_argnums=(2,), mutated_argnums=(0,))
-    _one_call_requests(fn, w)
+    fn, w = _copying_decoder(0)
     assert counters["npugraph_ex"][f"copied_inputs_{fn.name}"] == 1
     assert _copying(fn)
     before = len(fn.events)
@@ -204,11 +210,7 @@ def test_a_copied_slot_is_a_binding_of_the_capture_that_serves_it() -> None:
     """No run path beside the replay closure: while the key copies, the closure the hot path
     calls is a capture's, with the cache slot COPY_IN_OUT; once a request's cache lives, the
     closures are generated again and it is PINNED."""
-    torch.manual_seed(2)
-    w = torch.randn(8, 8)
-    fn = make_graphed_callable(decode, (torch.zeros(4, 8), torch.randn(4, 8), w),
-                               static_argnums=(2,), mutated_argnums=(0,))
-    _one_call_requests(fn, w)
+    fn, w = _copying_decoder(2)
     assert _copying(fn)
     assert _serving_binding(fn, 0) is Binding.COPY_IN_OUT
     assert _serving_binding(fn, 2) is Binding.PINNED
@@ -223,11 +225,7 @@ def test_a_copied_slot_is_a_binding_of_the_capture_that_serves_it() -> None:
 
 
 def test_two_long_requests_in_turn_after_one_call_requests_are_not_copied() -> None:
-    torch.manual_seed(1)
-    w = torch.randn(8, 8)
-    fn = make_graphed_callable(decode, (torch.zeros(4, 8), torch.randn(4, 8), w),
-                               static_argnums=(2,), mutated_argnums=(0,))
-    _one_call_requests(fn, w)
+    fn, w = _copying_decoder(1)
     assert _copying(fn)
     before = len(fn.events)
     caches = [torch.randn(4, 8), torch.randn(4, 8)]
