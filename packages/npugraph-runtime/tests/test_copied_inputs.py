@@ -7,9 +7,12 @@ the address rule: it is never copied."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from npugraph_runtime import make_graphed_callable
+from npugraph_runtime.bindings import Binding, slot_bindings
 from npugraph_runtime.copied_inputs import LIVES
 from torch._dynamo.utils import counters
 
@@ -160,16 +163,22 @@ def _one_call_requests(fn: object, w: torch.Tensor, n: int = 4) -> None:
         del cache
 
 
+def _copying_decoder(seed: int) -> tuple[Any, torch.Tensor]:
+    """A decode step after requests of one call each: its key copies the cache."""
+    torch.manual_seed(seed)
+    w = torch.randn(8, 8)
+    fn = make_graphed_callable(decode, (torch.zeros(4, 8), torch.randn(4, 8), w),
+                               static_argnums=(2,), mutated_argnums=(0,))
+    _one_call_requests(fn, w)
+    return fn, w
+
+
 def _copying(fn: object) -> bool:
     return bool(fn._copied)  # type: ignore[attr-defined]
 
 
 def test_a_long_request_after_one_call_requests_is_not_copied() -> None:
-    torch.manual_seed(0)
-    w = torch.randn(8, 8)
-    fn = make_graphed_callable(decode, (torch.zeros(4, 8), torch.randn(4, 8), w),
-                               static_argnums=(2,), mutated_argnums=(0,))
-    _one_call_requests(fn, w)
+    fn, w = _copying_decoder(0)
     assert counters["npugraph_ex"][f"copied_inputs_{fn.name}"] == 1
     assert _copying(fn)
     before = len(fn.events)
@@ -190,12 +199,33 @@ def test_a_long_request_after_one_call_requests_is_not_copied() -> None:
     assert len(fn.events) - before <= 3 + 3, [e.reason for e in fn.events]
 
 
+def _serving_binding(fn: Any, slot: int) -> Binding:
+    """The binding of ``slot`` in the capture whose replay closure serves the key now."""
+    (key,) = fn._captures
+    cap = next(c for c in fn._captures[key] if c.replay is fn._runs[key])
+    return slot_bindings(fn._slots, cap, fn._copied.get(key))[slot]
+
+
+def test_a_copied_slot_is_a_binding_of_the_capture_that_serves_it() -> None:
+    """No run path beside the replay closure: while the key copies, the closure the hot path
+    calls is a capture's, with the cache slot COPY_IN_OUT; once a request's cache lives, the
+    closures are generated again and it is PINNED."""
+    fn, w = _copying_decoder(2)
+    assert _copying(fn)
+    assert _serving_binding(fn, 0) is Binding.COPY_IN_OUT
+    assert _serving_binding(fn, 2) is Binding.PINNED
+    cache = torch.randn(4, 8)
+    want_cache = cache.clone()
+    for _ in range(STEPS):
+        x = torch.randn(4, 8)
+        torch.testing.assert_close(fn(cache, x, w), decode(want_cache, x, w))
+        torch.testing.assert_close(cache, want_cache)
+    assert not _copying(fn)
+    assert _serving_binding(fn, 0) is Binding.PINNED
+
+
 def test_two_long_requests_in_turn_after_one_call_requests_are_not_copied() -> None:
-    torch.manual_seed(1)
-    w = torch.randn(8, 8)
-    fn = make_graphed_callable(decode, (torch.zeros(4, 8), torch.randn(4, 8), w),
-                               static_argnums=(2,), mutated_argnums=(0,))
-    _one_call_requests(fn, w)
+    fn, w = _copying_decoder(1)
     assert _copying(fn)
     before = len(fn.events)
     caches = [torch.randn(4, 8), torch.randn(4, 8)]

@@ -8,8 +8,8 @@ The bindings are a closed set:
 * ``COPY_IN``: the caller's tensor is copied into the capture's buffer before the replay (user
   inputs; only when its address changed, unless ``clone_input``);
 * ``COPY_IN_OUT``: copied into a buffer of the key's own before the replay and back after it (a
-  mutated or static input new on every call): the key's copied run (misses.py, over copied_inputs.py's buffers) wraps the
-  closure of a capture made over those buffers;
+  mutated or static input new on every call; the buffers and their history: copied_inputs.py):
+  the slots of a capture made over those buffers, while the key copies;
 * ``MIRROR``: the caller's whole storage is mirrored into the buffer (an input the graph reads
   through ``as_strided``).
 
@@ -27,12 +27,14 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from npugraph_runtime import _compat
+from npugraph_runtime.copied_inputs import CopiedInputs
 from npugraph_runtime.core_limit import capture_core_limit
 from npugraph_runtime.inputs import mirror_filler, refiller
 from npugraph_runtime.keys import Args, picker
 
 if TYPE_CHECKING:
     from npugraph_runtime.capture import Capture, Slots
+    from npugraph_runtime.outputs import OutputPlan
 
 __all__ = ["MISS", "REPLAY_RANGE", "Binding", "replay_closure", "slot_bindings"]
 
@@ -51,12 +53,16 @@ class Binding(enum.Enum):
     MIRROR = "mirror"
 
 
-def slot_bindings(slots: Slots, cap: Capture) -> dict[int, Binding]:
-    """The binding of each tensor slot of ``cap``. A key that copies inputs in and out
-    (COPY_IN_OUT) runs its captures on its own buffers, which they see PINNED: the copied run's
-    wrapper around the closure does the copies."""
+def slot_bindings(slots: Slots, cap: Capture, copied: CopiedInputs | None) -> dict[int, Binding]:
+    """The binding of each tensor slot of ``cap``. The slots a key copies (``copied``) are
+    COPY_IN_OUT in a capture made over all of their buffers; a capture made before (over the
+    caller's tensors, or over fewer buffers) keeps them PINNED, and misses on the caller's new
+    tensors."""
     bindings = {i: Binding.PINNED for i in (*slots.static, *slots.mutated)}
     bindings.update({i: Binding.MIRROR if i in cap.mirrored else Binding.COPY_IN for i in slots.user})
+    if copied is not None and all(cap.addresses.get(i) == _data_ptr(b)
+                                  for i, b in zip(copied.slots, copied.buffers, strict=True)):
+        bindings.update(dict.fromkeys(copied.slots, Binding.COPY_IN_OUT))
     return bindings
 
 
@@ -67,10 +73,12 @@ def replay_closure(
     ptrs_equal: Callable[[list[object], list[int | None], list[int]], bool] | None,
     clone_input: bool,
     changed_constant: Callable[[Args, tuple[object, ...]], None],
+    copied: CopiedInputs | None = None,
 ) -> Callable[[Args], object]:
     """The replay closure of ``cap`` (whose output plan is made): check the PINNED addresses,
-    fill the COPY_IN buffers and MIRRORs, replay, return the plan's result. With ``held`` (bind),
-    one that takes only the inputs before them."""
+    fill the COPY_IN buffers and MIRRORs, copy the COPY_IN_OUT slots into ``copied``'s buffers,
+    replay, copy them back, return the plan's result over the caller's tensors. With ``held``
+    (bind), one that takes only the inputs before them (never one that copies)."""
     replay = cap.graph.replay
     if cap.new_tensor:
         replay = _noting_replays(cap.replayed, replay)
@@ -116,6 +124,10 @@ def replay_closure(
     constants = pick_constants(tuple(cap.args)) if pick_constants is not None else ()
 
     profiling = _compat.profiler_enabled
+    copying = None
+    if Binding.COPY_IN_OUT in bindings.values():
+        assert copied is not None and held is None
+        copying = _copying(copied, replay, build, plan)
 
     # one frame a call: the profiler range re-enters it once with ``ranged``
     def run(args: Args, ranged: bool = False) -> object:
@@ -149,10 +161,29 @@ def replay_closure(
                 refill(sources)
         if pick_mirrored is not None:
             fill_mirrors(pick_mirrored(args))
+        if copying is not None:
+            return copying(args)
         replay()
         if build is None:
             return plan.result
         return build(args if held is None else (*args, *held))
+
+    return run
+
+
+def _copying(copied: CopiedInputs, replay: Callable[[], None],
+             build: Callable[[Args], object] | None, plan: OutputPlan) -> Callable[[Args], object]:
+    """The COPY_IN_OUT stages of a replay: copy in, replay, copy back, the result remapped onto
+    the caller's tensors; MISS where the key leaves copying (``copied.leaving``)."""
+    enter, leave = copied.enter, copied.leave
+
+    def run(args: Args) -> object:
+        sub = enter(args)
+        if sub is None:
+            return MISS
+        replay()
+        out = plan.result if build is None else build(sub)
+        return leave(out, args)
 
     return run
 

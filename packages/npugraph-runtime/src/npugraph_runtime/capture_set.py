@@ -14,7 +14,14 @@ from typing import Any
 import torch
 
 from npugraph_runtime import _compat
-from npugraph_runtime.bindings import MISS, checked_ptrs_equal, equal, replay_closure, slot_bindings
+from npugraph_runtime.bindings import (
+    MISS,
+    Binding,
+    checked_ptrs_equal,
+    equal,
+    replay_closure,
+    slot_bindings,
+)
 from npugraph_runtime.callsite import warn_at_caller
 from npugraph_runtime.capture import (
     Capture,
@@ -123,10 +130,26 @@ class CaptureSet:
             cap.watched_ptrs = [cap.addresses[i] for i in self._slots.watched]
             cap.plan = self._output_plan(cap)
             cap.watch = cap.plan.watch
-        return replay_closure(self.name, cap, slot_bindings(self._slots, cap), self._slots, self._n,
-                              held,
-                              self._copy, self._ptrs_equal, self._policy.clone_input,
-                              self._changed_constant)
+        return self._closure(cap, held)
+
+    def _closure(self, cap: Capture, held: tuple[object, ...] | None) -> Callable[[Args], object]:
+        copied = self._copied.get(cap.key)
+        return replay_closure(self.name, cap, slot_bindings(self._slots, cap, copied), self._slots,
+                              self._n, held, self._copy, self._ptrs_equal,
+                              self._policy.clone_input, self._changed_constant, copied)
+
+    def _copies(self, cap: Capture) -> bool:
+        """Some slot of ``cap`` is COPY_IN_OUT (no bound variant serves it: bind)."""
+        return Binding.COPY_IN_OUT in slot_bindings(
+            self._slots, cap, self._copied.get(cap.key)).values()
+
+    def _rebind(self, key: Key) -> None:
+        """The bindings of ``key``'s slots changed (it copies more inputs, or none): its
+        captures' replay closures generated again from them."""
+        for cap in self._captures.get(key, []):
+            was, cap.replay = cap.replay, self._closure(cap, None)
+            if self._runs.get(key) is was:
+                self._runs[key] = cap.replay
 
     def _changed_constant(self, args: Args, constants: tuple[object, ...]) -> None:
         for i, was in zip(self._slots.constant, constants, strict=True):
@@ -183,9 +206,6 @@ class CaptureSet:
             self._captures[key] = kept
             if self._runs.get(key) in runs:
                 self._runs[key] = kept[-1].replay
-            copied = self._copied.get(key)
-            if copied is not None and copied.inner in runs:
-                copied.inner = kept[-1].replay
         for key in [k for k in self._copied if k not in self._captures]:
             del self._copied[key]
         for variants in self._bound:

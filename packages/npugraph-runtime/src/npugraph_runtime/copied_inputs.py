@@ -36,6 +36,14 @@ from npugraph_runtime.ledger import is_result
 
 __all__ = ["LIVES", "CopiedInputs"]
 
+
+def _no_copy(dst: list[torch.Tensor], src: Sequence[torch.Tensor]) -> object:
+    raise AssertionError("CopiedInputs used before its key served it (misses._start_copying)")
+
+
+def _no_room(live: int) -> bool:
+    return False
+
 # Calls with the same mutated tensors after which they are a request's (lives), not new on each
 # call: a tensor passed two or three times is still cheaper to copy than to capture for
 LIVES = 3
@@ -53,12 +61,13 @@ def _whole(t: object) -> bool:
 
 
 class CopiedInputs:
-    """The buffers of one graph key's copied inputs, and ``inner``: the replay closure of the
-    key's capture over them (None until one is made). ``written``: the positions among them of
-    the mutated inputs, copied back after each replay (a static input is only read)."""
+    """The buffers of one graph key's copied inputs (the COPY_IN_OUT binding of its captures
+    made over them: bindings.py) and the history that tells when the key leaves this mode.
+    ``written``: the positions among them of the mutated inputs, copied back after each replay
+    (a static input is only read). ``leaving``: a call found that the key should leave."""
 
-    __slots__ = ("buffers", "by_storage", "inner", "layouts", "seen", "slots", "written",
-                 "written_buffers")
+    __slots__ = ("buffers", "by_storage", "copy", "layouts", "leaving", "room", "seen", "slots",
+                 "written", "written_buffers")
 
     def __init__(self, slots: Sequence[int], args: Args, mutated: Sequence[int] = ()) -> None:
         self.slots: list[int] = []
@@ -72,9 +81,41 @@ class CopiedInputs:
             if i in mutated:
                 self.written.append(k)
                 self.written_buffers.append(self.buffers[k])
-        self.inner: Callable[[Args], object] | None = None
+        self.leaving = False
+        self.copy: Callable[[list[torch.Tensor], Sequence[torch.Tensor]], object] = _no_copy
+        # whether the key may capture for this many live sets of tensors (capture_limit)
+        self.room: Callable[[int], bool] = _no_room
         # ids of the mutated tensors of recent calls -> (weak references to them, calls seen)
         self.seen: dict[tuple[int, ...], tuple[list[weakref.ref[torch.Tensor]], int]] = {}
+
+    def enter(self, args: Args) -> Args | None:
+        """The call's arguments with the buffers in place of the copied inputs, filled from
+        them; None (``leaving`` set) where the key leaves this mode: another layout or a view
+        (the address rules again), or a request's cache that lives (its own capture, no
+        copies; not where the tensors the caller keeps in turn are more captures than
+        capture_limit allows). Arguments that hold the buffers already are returned as they
+        are (a fresh capture's own replay)."""
+        if not self.fits(args):
+            self.leaving = True
+            return None
+        sources = self.sources(args)
+        if sources[0] is self.buffers[0]:
+            return args
+        if self.lives(sources) and self.room(self.live()):
+            self.leaving = True
+            return None
+        self.copy(self.buffers, sources)
+        return self.substitute(args)
+
+    def leave(self, out: object, args: Args) -> object:
+        """After a run over the buffers: the mutated inputs copied back into the caller's
+        tensors, and ``out`` returned over them (remap)."""
+        sources = self.sources(args)  # with any input copied from this call on
+        if sources[0] is self.buffers[0]:
+            return out
+        if self.written:
+            self.copy([sources[k] for k in self.written], self.written_buffers)
+        return self.remap(out, sources)
 
     def lives(self, sources: Sequence[torch.Tensor]) -> bool:
         """The mutated tensors of this call came on ``LIVES`` calls (a request's cache, alone or

@@ -136,7 +136,7 @@ class GraphedCallable(Misses):
         for run in [r for r in variants if r not in live]:
             del variants[run]
         current = self._runs.get(key)
-        if current in live and current not in variants:
+        if current in live and current not in variants and not self._copies(live[current]):
             variants[current] = self._replay_closure(live[current], held)
 
     def reset(self) -> None:

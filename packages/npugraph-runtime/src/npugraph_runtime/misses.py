@@ -1,7 +1,10 @@
 """A call its key's replay closure cannot serve (other addresses, another core limit, held
 outputs, a new key): another capture of the key that can replay it, copy mode (a slot whose tensor
-is new on every call is copied into a buffer of the key's own, its history promoting it back when
-the caller keeps the tensors), or a new capture."""
+is new on every call becomes COPY_IN_OUT: copied into a buffer of the key's own, its history
+moving it back to PINNED when the caller keeps the tensors), or a new capture. Entering or
+leaving copy mode changes bindings, so the key's replay closures are generated again
+(capture_set._rebind); while the key copies, a call no closure serves is served over its
+buffers (_copying_call)."""
 
 from __future__ import annotations
 
@@ -69,14 +72,39 @@ class Misses(CaptureSet):
     def _reselect(self, key: Key, args: Args, tried: Callable[[Args], object]) -> object:
         """The key's last capture (``tried``) cannot replay this call (other addresses, another
         core limit, or its outputs are still held): replay another capture of the key that can,
-        or make one."""
-        caps = self._captures[key]
-        for c in caps:
+        or make one (over the key's buffers while it copies)."""
+        copied = self._copied.get(key)
+        if copied is not None and copied.leaving:  # the call told this key to leave copying
+            self._stop_copying(key, copied)
+            copied = None
+        for c in self._captures[key]:
             if c.replay is not tried:
                 out = c.replay(args)
                 if out is not MISS:
                     self._runs[key] = c.replay
                     return out
+                if copied is not None and copied.leaving:
+                    return self._reselect(key, args, c.replay)
+        if copied is None:
+            return self._choose(key, args)
+        return self._copying_call(key, args, copied)
+
+    def _copying_call(self, key: Key, args: Args, copied: CopiedInputs) -> object:
+        """A call of a key that copies, which none of its captures replays: served over the
+        buffers (a capture made over them, or another copied input), then copied back."""
+        sub = copied.enter(args)
+        if sub is None:
+            self._stop_copying(key, copied)
+            return self._choose(key, args)
+        if self._captures.get(key):
+            out = self._choose(key, sub)
+        else:  # every capture of the key was released (its static inputs dropped)
+            out = self._another(key, sub, STATIC_INPUT_CHANGE)
+        return copied.leave(out, args)
+
+    def _choose(self, key: Key, args: Args) -> object:
+        """No capture of the key replays this call: which one it makes, and what it replaces."""
+        caps = self._captures[key]
         choice = choose(self.name, self._slots, caps, args, capture_core_limit(),
                         self._total < self._policy.capture_limit)
         gone = choice.replacing
@@ -129,6 +157,7 @@ class Misses(CaptureSet):
         if not CopiedInputs.eligible(churned, args):
             return MISS
         copied.add(churned, args, written)
+        self._rebind(key)  # its captures over fewer buffers pin them now
         sub = copied.substitute(args)
         self._copy([tensor(sub, i) for i in churned], [tensor(args, i) for i in churned])
         self._counters.count_copied(len(churned))
@@ -137,57 +166,22 @@ class Misses(CaptureSet):
         return self._another(key, sub, STATIC_INPUT_CHANGE)
 
     def _start_copying(self, key: Key, args: Args, copied: CopiedInputs) -> object:
-        """From now on ``key``'s calls copy those inputs into buffers of the key's own (and the
-        mutated ones back: copied_inputs), so that its capture over the buffers replays."""
+        """From now on ``key``'s slots ``copied`` are COPY_IN_OUT: its calls copy those inputs
+        into buffers of the key's own (and the mutated ones back: copied_inputs), so that its
+        capture over the buffers replays."""
         self._copied[key] = copied
-        copied.inner = self._runs.get(key)
-        run = self._copied_run(key, copied)
-        self._runs[key] = run
+        limit = self._policy.capture_limit
+        copied.copy = self._copy
+        copied.room = lambda live: self._total + live < limit
         self._counters.count_copied(len(copied.slots))
         logger.info("%s: key %s copies input(s) %s on every call (a new tensor on every call)",
                     self.name, key, copied.slots)
-        return run(args)
-
-    def _copied_run(self, key: Key, copied: CopiedInputs) -> Callable[[Args], object]:
-        copy = self._copy
-
-        def run(args: Args) -> object:
-            if not copied.fits(args):  # another layout, a view: the address rules again
-                self._stop_copying(key, copied)
-                return self._reselect(key, args, run)
-            sources = copied.sources(args)
-            # a request's cache: its own capture, no copies; not where the tensors the caller
-            # keeps in turn are more than capture_limit allows captures (each call would capture)
-            if copied.lives(sources) and (
-                    self._total + copied.live() < self._policy.capture_limit):
-                self._stop_copying(key, copied)
-                return self._reselect(key, args, run)
-            copy(copied.buffers, sources)
-            sub = copied.substitute(args)
-            inner = copied.inner
-            out = inner(sub) if inner is not None else MISS
-            if out is MISS:
-                if self._captures.get(key):
-                    out = self._reselect(key, sub, inner if inner is not None else run)
-                else:  # every capture of the key was released (its static inputs dropped)
-                    out = self._another(key, sub, STATIC_INPUT_CHANGE)
-                if self._copied.get(key) is copied:  # not released (a fallback) meanwhile
-                    latest = self._runs.get(key)
-                    copied.inner = latest if latest is not run else None
-                    self._runs[key] = run
-                sources = copied.sources(args)  # with any input it copies from now on
-            if copied.written:
-                copy([sources[k] for k in copied.written], copied.written_buffers)
-            return copied.remap(out, sources)
-
-        return run
+        return self._copying_call(key, args, copied)
 
     def _stop_copying(self, key: Key, copied: CopiedInputs) -> None:
+        """The key's slots are PINNED again (its captures over the buffers miss on the caller's
+        tensors)."""
         if self._copied.get(key) is not copied:
             return
         del self._copied[key]
-        inner = copied.inner
-        if inner is not None:
-            self._runs[key] = inner
-        else:
-            self._runs.pop(key, None)
+        self._rebind(key)
