@@ -1,4 +1,4 @@
-"""npugraph_ex.inference.cache_compile across restarts: what a restarted process changed (a
+"""npugraph_ex.inference.cache_compile across restarts (warm starts): what a restarted process changed (a
 numerics flag, ...) either gives its own entry or is served correctly by the saved one, equal
 to eager over 6 calls with fresh inputs; a new cache_compile on the same cache folder stands in
 for the restarted process."""
