@@ -52,7 +52,8 @@ def _flat(out: object) -> list[torch.Tensor]:
 
 @torch.no_grad()
 def _replays_match_eager(eager: Callable[..., object], compiled: Callable[..., object],
-                         make: Callable[[int], Sequence[object]], calls: int = 6) -> None:
+                         make: Callable[[int], Sequence[object]], calls: int = 6,
+                         *, captured: bool = True) -> None:
     kept: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
     for i in range(calls):
         args = make(i)
@@ -68,6 +69,9 @@ def _replays_match_eager(eager: Callable[..., object], compiled: Callable[..., o
         for j, (outs, wants) in enumerate(kept):
             for g, w in zip(outs, wants, strict=True):
                 torch.testing.assert_close(g, w, msg=lambda m, i=i, j=j: f"call {j} kept to {i}: {m}")
+    if captured:  # else the comparison may have been of eager against eager
+        assert _counter("captured_") > 0, f"nothing was captured: {dict(_compat.counters())}"
+        assert _counter("eager_fallback_") == 0, f"an eager fallback: {dict(_compat.counters())}"
 
 
 @pytest.fixture
@@ -75,5 +79,6 @@ def replays_match_eager() -> Callable[..., None]:
     """``(eager, compiled, make, calls=6)``: each of ``calls`` calls on fresh args ``make(i)``
     (eager gets a deep copy) returns eager's outputs and leaves the args as eager left them, and
     every output kept from an earlier call still equals eager's output of that call (a view of
-    a buffer the later calls update changes in both)."""
+    a buffer the later calls update changes in both); with ``captured`` (the default), a graph
+    was captured and none fell back to eager, so the replays were compared, not eager twice."""
     return _replays_match_eager

@@ -387,7 +387,8 @@ def test_instances_with_a_graph_break_keep_outputs_under_clone_input_false(
 def test_threads_keep_their_outputs(replays_match_eager: Callable[..., None], counter: Callable[[str], int]) -> None:
     model = BreakingStack("print").eval()
     compiled = _compile(model)
-    compiled(torch.randn(4, 16))
+    with torch.no_grad():  # grad mode is per thread: the fixture's no_grad holds in the workers only
+        compiled(torch.randn(4, 16))
     failures: list[BaseException] = []
 
     def work(seed: int) -> None:
