@@ -144,7 +144,9 @@ def _local_type(entry: Any) -> bool:
         "<locals>" in type(entry.value).__qualname__)
 
 
-def dropped_guard(entry: Any, parameter_guards: bool) -> str | None:
+def dropped_guard(
+    entry: Any, parameter_guards: bool, stream_labels: frozenset[str] = frozenset()
+) -> str | None:
     """Why the serving path leaves one of dynamo's guards (a GuardFilterEntry, checked on
     torch 2.13.0) out of torch's saved guard tree, or None: torch keeps and checks it on every
     call. The drop-list (docs/serving.md lists what re-checks each and the test that proves it):
@@ -160,7 +162,13 @@ def dropped_guard(entry: Any, parameter_guards: bool) -> str | None:
     * ``hooks``: a module's hooks dict that was empty (EMPTY_NN_MODULE_HOOKS_DICT, which
       torch.compile skips by default, ``skip_nnmodule_hook_guards``): npugraph_cache.guards
       checks them all again whenever a hook was registered anywhere since
-      (``hook_registrations``), one integer compare a call otherwise."""
+      (``hook_registrations``), one integer compare a call otherwise;
+    * ``stream label``: the value of a stream's label (``stream_labels``: the sources the
+      guard filter found, see ``stream_label_sources``): a label names a stream of the graph, and
+      its value differs in every process; npugraph_cache.guards checks on every call which of
+      the streams the code used are one stream (the aliasing pattern), the graph's meaning."""
+    if entry.name in stream_labels:
+        return "stream label"
     if guard_kind(entry) in UNSAVABLE_GUARDS:
         return "identity"
     if entry.name.startswith("G[") or (entry.guard_type == "TENSOR_MATCH" and entry.is_global):
@@ -181,16 +189,44 @@ def portable_guard_filter(
     """torch.compile's ``guard_filter_fn`` (a public option; entries are GuardFilterEntry,
     checked on torch 2.13.0): keep every guard but those ``dropped_guard`` names. The values
     the code read are recorded for npugraph_cache.guards (``(kind, source)`` pairs)."""
+    labels = stream_label_sources(entries)
     if value_guards is not None and recorded is not None:
         for e in entries:
-            kind = guard_kind(e)
+            kind = STREAM_LABEL if e.name in labels else guard_kind(e)
             name, value = e.name, e.value if e.has_value else None
             if _local_type(e):
                 name, value = f"type({name})", type(value)
             source = value_guards(kind, name, value)
             if source is not None:
                 recorded.append((kind, source))
-    return [dropped_guard(e, parameter_guards) is None for e in entries]
+        # a label guard is dropped only where the aliasing check will see its stream
+        labels = frozenset(n for k, n in recorded if k == STREAM_LABEL)
+    else:
+        labels = frozenset()
+    return [dropped_guard(e, parameter_guards, labels) is None for e in entries]
+
+
+# the class attribute that names a stream object's label attribute (npugraph_runtime.Stream has
+# ``__graph_stream_label__ = "label"``): a protocol, so the cache imports nothing of ours
+STREAM_PROTOCOL = "__graph_stream_label__"
+STREAM_LABEL = "STREAM_LABEL"  # our kind for a recorded stream label (not one of dynamo's)
+
+
+def stream_label_sources(entries: Any) -> frozenset[str]:
+    """The sources of the label guards of stream objects among GuardFilterEntries (checked on
+    torch 2.13.0: dynamo makes a TYPE_MATCH on the object the code read, whose ``value`` is the
+    object, and a CONSTANT_MATCH (EQUALS_MATCH) on ``<source>.<label attribute>``)."""
+    streams: dict[str, str] = {}
+    for e in entries:
+        attr = getattr(type(e.value), STREAM_PROTOCOL, None) if (
+            e.guard_type == "TYPE_MATCH" and e.has_value) else None
+        if isinstance(attr, str) and attr.isidentifier():
+            streams[e.name] = attr
+    return frozenset(
+        e.name for e in entries
+        if e.guard_type in ("CONSTANT_MATCH", "EQUALS_MATCH") and e.has_value
+        and isinstance(e.value, str)
+        and any(e.name == f"{src}.{attr}" for src, attr in streams.items()))
 
 
 def _is_parameter(entry: Any) -> bool:

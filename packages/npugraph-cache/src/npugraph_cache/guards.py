@@ -137,6 +137,8 @@ class ValueGuards:
         load the entry."""
         if guard_type == "TYPE_MATCH" and value is os.environ:
             return _ENVIRON
+        if guard_type == _compat.STREAM_LABEL:  # checked as the streams' aliasing pattern
+            return name if _rooted(name, params) else None
         if guard_type == "EMPTY_NN_MODULE_HOOKS_DICT":  # re-checked after a hook registration
             return f"len({name})" if _rooted(name, params) else None
         rooted_at_globals = name.startswith("G[")
@@ -159,6 +161,10 @@ class ValueGuards:
         sources: list[str] = []
         expected: list[Any] = []
         every: list[bool] = []
+        labels = [name for kind, name in dict.fromkeys(recorded) if kind == _compat.STREAM_LABEL]
+        if labels:
+            recorded = [(_ALIASING, f"{_ALIASING}({', '.join(labels)})")] + [
+                (kind, name) for kind, name in recorded if kind != _compat.STREAM_LABEL]
         for kind, name in dict.fromkeys(recorded):
             if name in sources:
                 if kind in IDENTITY_GUARDS:
@@ -170,7 +176,8 @@ class ValueGuards:
                 continue
             sources.append(name)
             expected.append(value)
-            every.append(name.startswith("G[") or name == _ENVIRON or kind in IDENTITY_GUARDS)
+            every.append(name.startswith("G[") or name == _ENVIRON or kind in IDENTITY_GUARDS
+                         or kind == _ALIASING)
         return cls(params[0], tuple(sources), tuple(expected), tuple(params), tuple(every))
 
     def to_json(self) -> dict[str, Any]:
@@ -223,8 +230,7 @@ class ValueGuards:
         if not picked:
             return modes or _always
         sources = [self.sources[i] for i in picked]
-        module_only = all((_names(s) or set()) <= {"G", self.self_name, *dir(builtins)}
-                          for s in sources)
+        module_only = all((_names(s) or set()) <= {"G", self.self_name, *_KNOWN} for s in sources)
         params = (self.self_name,) if module_only else self.params
         raw = _evaluator(params, sources, described=False)
         described = _evaluator(params, sources)
@@ -288,8 +294,7 @@ class ValueGuards:
         if not picked:
             return None
         sources = [self.sources[i] for i in picked]
-        module_only = all((_names(s) or set()) <= {"G", self.self_name, *dir(builtins)}
-                          for s in sources)
+        module_only = all((_names(s) or set()) <= {"G", self.self_name, *_KNOWN} for s in sources)
         params = (self.self_name,) if module_only else self.params
         lengths = _evaluator(params, sources, described=False)
         empty = (0,) * len(sources)
@@ -317,6 +322,8 @@ class ValueGuards:
                 got = _evaluator(self.params, (source,))(f_globals, *frame)[0]
             except Exception as exc:
                 return f"{source} cannot be read now ({type(exc).__name__}), was {_show(want)}"
+            if got != want and source.startswith(f"{_ALIASING}("):
+                return _aliasing_changed(source, got, want)
             if got != want and got[0] == want[0] == "environ":
                 differ = sorted(dict(set(got[1]) ^ set(want[1])))
                 return f"os.environ differs from when compiled in {', '.join(differ[:3])}"
@@ -335,6 +342,34 @@ class ValueGuards:
         except Exception:  # mismatch names the value that cannot be read
             pass
         return self.mismatch(f_globals, frame)
+
+
+# The streams a graph runs on are named by labels whose values differ in every process (they
+# name a stream of the graph, not a stream of the process): what the graph's meaning depends on
+# is which of them are one stream. The label guards are dropped from torch's tree
+# (``_compat.dropped_guard``: "stream label") and this pattern is checked on every call instead.
+_ALIASING = "___stream_aliasing"
+_KNOWN = frozenset({*dir(builtins), _ALIASING})
+
+
+def aliasing(*labels: Any) -> tuple[int, ...]:
+    """Which of ``labels`` are one stream: each label's index of first occurrence, so
+    ``(a, b, a)`` -> ``(0, 1, 0)`` whatever the values."""
+    first: dict[Any, int] = {}
+    return tuple(first.setdefault(label, i) for i, label in enumerate(labels))
+
+
+def _aliasing_changed(source: str, got: Any, want: Any) -> str:
+    names = [n.strip().rsplit(".", 1)[0] for n in source[len(_ALIASING) + 1:-1].split(",")]
+
+    def groups(desc: Any) -> str:
+        pattern = [d[1] for d in desc[1]]
+        return ", ".join(
+            "[" + " = ".join(n for n, p in zip(names, pattern, strict=True) if p == first) + "]"
+            for first in sorted(set(pattern)))
+
+    return (f"the streams the code used are {groups(got)}, were {groups(want)} when compiled "
+            "([a = b]: one stream)")
 
 
 _MODE = ".training"
@@ -389,6 +424,6 @@ def _evaluator(
     body = ", ".join(f"___describe({s})" if described else s for s in sources)
     code = compile(f"lambda G, {', '.join(params)}: ({body},)", "<npugraph_cache value guards>",
                    "eval")
-    namespace = {"___describe": describe, "__builtins__": builtins}
+    namespace = {"___describe": describe, _ALIASING: aliasing, "__builtins__": builtins}
     fn: Callable[..., Any] = eval(code, namespace)  # our own sources
     return fn
