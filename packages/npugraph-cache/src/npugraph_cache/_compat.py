@@ -282,8 +282,44 @@ def serialize_compiled(compiled: Any) -> bytes:
     ``save_compiled_function(path)`` writes straight to a file, we need the bytes for our format."""
     from torch._dynamo.aot_compile import AOTCompiledFunction
 
-    data: bytes = AOTCompiledFunction.serialize(compiled).serialized_data
+    data: bytes = AOTCompiledFunction.serialize(compiled, global_modules(compiled)).serialized_data
     return data
+
+
+_GLOBAL = "global:"
+
+
+def global_modules(compiled: Any) -> dict[str, Any]:
+    """The modules the traced code read through the function's globals (``GMOD(x)`` with
+    ``GMOD = nn.Linear(...)`` at module level), as torch's ``external_data`` keyed by their
+    global name. Checked on torch 2.13.0: the saved state holds a copy of the globals the
+    bytecode uses (``runtime_env.used_globals``), and its pickler refuses an ``nn.Module`` that is
+    not external data ("Failed to serialize"); the loaded function runs with the live globals
+    over that copy (``forward_callable``'s ``extra_globals``), so the module is what the name
+    holds in the loading process, as for a function's own globals: ``load_compiled`` binds it
+    there."""
+    used = getattr(getattr(compiled._artifacts, "runtime_env", None), "used_globals", None) or {}
+    return {_GLOBAL + name: value for name, value in used.items()
+            if isinstance(value, torch.nn.Module)}
+
+
+class _LiveGlobals(dict[str, object]):
+    """``external_data`` for a load: ``global:NAME`` is what ``NAME`` holds in the globals now
+    (torch's unpickler asks ``key in`` then ``[key]``)."""
+
+    def __init__(self, f_globals: dict[str, object]) -> None:
+        super().__init__()
+        self.f_globals = f_globals
+
+    def __contains__(self, key: object) -> bool:
+        return (isinstance(key, str) and key.startswith(_GLOBAL)
+                and key[len(_GLOBAL):] in self.f_globals)
+
+    def __getitem__(self, key: str) -> object:
+        return self.f_globals[key[len(_GLOBAL):]]
+
+    def __bool__(self) -> bool:  # torch takes ``external_data or {}``
+        return True
 
 
 def load_compiled(data: bytes, f_globals: dict[str, object]) -> Any:
@@ -296,7 +332,8 @@ def load_compiled(data: bytes, f_globals: dict[str, object]) -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with tracing(TracingContext(FakeTensorMode())):
-        return torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=f_globals)
+        return torch.compiler.load_compiled_function(
+            io.BytesIO(data), f_globals=f_globals, external_data=_LiveGlobals(f_globals))
 
 
 def guard_check(compiled: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
