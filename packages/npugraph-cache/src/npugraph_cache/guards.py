@@ -1,22 +1,25 @@
-"""Value guards that survive a save: the globals, closure cells and non-tensor module attributes
-the traced code read.
+"""What torch's saved guard tree cannot check, recorded per entry and checked by us.
 
-torch cannot save the guards dynamo puts on such values (they need the frame's globals), so an
-entry would otherwise replay the value it was traced with: ``self.lin(x) * SCALE`` with another
-``SCALE`` in a later process would return the old result. At compile time the guard filter
-hands us every value guard dynamo made (``CONSTANT_MATCH``/``EQUALS_MATCH`` on a value,
-``CLOSURE_MATCH``/``FUNCTION_MATCH`` on a function); we keep those rooted at the module's
-globals (``G[...]``, closure cells included) or at the module itself (``self.<attr>``) as source
-expressions with a portable description of the value (type and value for scalars, strings and
-tuples of them; module and qualified name for a function; ``repr`` otherwise). They are stored in
-the entry's (authenticated) metadata and checked before an entry is unpickled; the globals are
-checked again on every call, as are the modules' ``training`` flags: a changed value selects or
-compiles another entry, as torch.compile recompiles. Another module attribute changed inside a
-running process after its first call is not re-checked (documented in the README).
+At compile time the guard filter (``_compat.portable_guard_filter``) hands us every guard
+dynamo made; those the drop-list (``_compat.dropped_guard``, docs/serving.md) takes out of
+torch's tree are recorded here as source expressions over ``G`` (the function's globals) and the
+method's parameters (the module first), with a portable description of the value (type and
+value for scalars, strings and tuples of them; module, qualified name and code digest for a
+function; ``repr`` otherwise):
 
-Guards on the other arguments are left to the key's value signature; a value whose description
-holds a memory address (``<object at 0x...>``) cannot be compared across processes and is
-skipped (documented in the README).
+* the globals and closure cells (a loaded function would check a copy of them), the identities
+  torch cannot save (which function, class, enum member or object a source holds), checked on
+  every call against the live objects;
+* the modules' ``training`` flags and hooks dicts, checked on every call (the hooks only after a
+  hook was registered anywhere in the process);
+* stream labels, checked on every call as their aliasing pattern (``aliasing``);
+* the value guards on the module and the arguments torch keeps too, recorded for the check before
+  an entry is unpickled (a warning naming the value, another variant or a recompile) and after
+  its first call; torch's tree checks them on every call, module attributes changed in a running
+  process included.
+
+A value whose description holds a memory address (``<object at 0x...>``) matches only in the
+process that compiled it (documented in the README).
 """
 
 from __future__ import annotations
