@@ -1,8 +1,8 @@
 """A method that reads tensors and modules which are not its module's parameters, buffers or
 submodules: in a dict or list attribute, through a plain object (``self.cfg.table``), in a
-closure cell, in a global tensor, or a module held by a global (torch refuses to save an
-``nn.Module`` that is not external data: the cache makes each global module external data,
-bound at load to what the name holds then). Each is saved, loaded by a new cache_compile on the
+closure cell, in a global tensor, or a module held by a global or a closure cell (torch refuses
+to save an ``nn.Module`` that is not external data: the cache makes each such module external
+data, bound at load to what the name or the cell holds then). Each is saved, loaded by a new cache_compile on the
 same folder (a restarted process), and equal to eager cold and warm over 3 calls."""
 
 from __future__ import annotations
@@ -64,6 +64,21 @@ class Outside(torch.nn.Module):
         return GLOBAL_PROJ(x) - self.lin(x)
 
 
+def _closing_over_a_module() -> torch.nn.Module:
+    """A method of a class defined in a function, closing over a module of that function."""
+    proj = torch.nn.Linear(8, 8)
+
+    class Closing(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def step(self, x: torch.Tensor) -> torch.Tensor:
+            return proj(x) - self.lin(x)
+
+    return Closing().eval()
+
+
 @pytest.fixture(autouse=True)
 def fresh_counters() -> Iterator[None]:
     counters.clear()
@@ -105,3 +120,25 @@ def test_a_global_module_replaced_after_the_save_is_the_one_used(tmp_path: Path)
                     torch.testing.assert_close(fn(x), model.global_module(x))
     finally:
         GLOBAL_PROJ = old
+
+
+def test_a_module_in_a_closure_cell_is_saved_and_bound_at_load(tmp_path: Path) -> None:
+    model = _closing_over_a_module()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CacheWarning)
+        for _ in range(2):  # cold, then a new cache_compile loading the entry
+            fn = cache_compile(model.step, cache_dir=tmp_path)
+            for _ in range(3):
+                x = torch.randn(4, 8)
+                with torch.no_grad():
+                    torch.testing.assert_close(fn(x), model.step(x))
+    assert counters["npugraph_ex_cache"]["compiled"] == 1
+    assert counters["npugraph_ex_cache"]["loaded"] == 1
+    cell = type(model).step.__closure__[0]
+    cell.cell_contents = torch.nn.Linear(8, 8)  # another module in the cell: it is the one used
+    for _ in range(2):
+        fn = cache_compile(model.step, cache_dir=tmp_path)
+        for _ in range(3):
+            x = torch.randn(4, 8)
+            with torch.no_grad():
+                torch.testing.assert_close(fn(x), model.step(x))

@@ -282,47 +282,75 @@ def serialize_compiled(compiled: Any) -> bytes:
     ``save_compiled_function(path)`` writes straight to a file, we need the bytes for our format."""
     from torch._dynamo.aot_compile import AOTCompiledFunction
 
-    data: bytes = AOTCompiledFunction.serialize(compiled, global_modules(compiled)).serialized_data
+    data: bytes = AOTCompiledFunction.serialize(compiled, outside_modules(compiled)).serialized_data
     return data
 
 
-_GLOBAL = "global:"
+_GLOBAL, _CELL = "global:", "closure:"
 
 
-def global_modules(compiled: Any) -> dict[str, Any]:
-    """The modules the traced code read through the function's globals (``GMOD(x)`` with
-    ``GMOD = nn.Linear(...)`` at module level), as torch's ``external_data`` keyed by their
-    global name. Checked on torch 2.13.0: the saved state holds a copy of the globals the
-    bytecode uses (``runtime_env.used_globals``), and its pickler refuses an ``nn.Module`` that is
-    not external data ("Failed to serialize"); the loaded function runs with the live globals
-    over that copy (``forward_callable``'s ``extra_globals``), so the module is what the name
-    holds in the loading process, as for a function's own globals: ``load_compiled`` binds it
-    there."""
-    used = getattr(getattr(compiled._artifacts, "runtime_env", None), "used_globals", None) or {}
-    return {_GLOBAL + name: value for name, value in used.items()
-            if isinstance(value, torch.nn.Module)}
+def outside_modules(compiled: Any) -> dict[str, Any]:
+    """The modules the traced code read through the function's globals (``PROJ(x)`` with
+    ``PROJ = nn.Linear(...)`` at module level) or its closure cells (a method of a class defined
+    in a function, closing over a module), as torch's ``external_data``: ``global:<name>``,
+    ``closure:<index>``. Checked on torch 2.13.0: the saved state holds a copy of the globals the
+    bytecode uses (``runtime_env.used_globals``) and the function's cells
+    (``runtime_env.closure``), and its pickler refuses an ``nn.Module`` that is not external data
+    ("Failed to serialize"). A loaded function runs with the live globals over that copy
+    (``forward_callable``'s ``extra_globals``); ``load_compiled`` binds each key to what the name
+    or the cell of the function holds in the loading process, so both are the live objects, as
+    the guards on them (checked on every call) expect."""
+    env = getattr(compiled._artifacts, "runtime_env", None)
+    found = {_GLOBAL + name: value for name, value in (getattr(env, "used_globals", None) or {}).items()
+             if isinstance(value, torch.nn.Module)}
+    for i, cell in enumerate(getattr(env, "closure", None) or ()):
+        try:
+            value = cell.cell_contents
+        except (AttributeError, ValueError):  # not a cell, or an empty one
+            continue
+        if isinstance(value, torch.nn.Module):
+            found[f"{_CELL}{i}"] = value
+    return found
 
 
-class _LiveGlobals(dict[str, object]):
-    """``external_data`` for a load: ``global:NAME`` is what ``NAME`` holds in the globals now
-    (torch's unpickler asks ``key in`` then ``[key]``)."""
+class _LiveObjects(dict[str, object]):
+    """``external_data`` for a load: ``global:NAME`` is what ``NAME`` holds in the globals now,
+    ``closure:I`` what the function's cell ``I`` holds (torch's unpickler asks ``key in``, then
+    ``[key]``)."""
 
-    def __init__(self, f_globals: dict[str, object]) -> None:
+    def __init__(self, f_globals: dict[str, object], closure: tuple[Any, ...]) -> None:
         super().__init__()
         self.f_globals = f_globals
+        self.closure = closure
+
+    def _lookup(self, key: object) -> tuple[bool, object]:
+        if isinstance(key, str) and key.startswith(_GLOBAL) and key[len(_GLOBAL):] in self.f_globals:
+            return True, self.f_globals[key[len(_GLOBAL):]]
+        if isinstance(key, str) and key.startswith(_CELL) and key[len(_CELL):].isdigit():
+            index = int(key[len(_CELL):])
+            if index < len(self.closure):
+                try:
+                    return True, self.closure[index].cell_contents
+                except ValueError:  # an empty cell
+                    pass
+        return False, None
 
     def __contains__(self, key: object) -> bool:
-        return (isinstance(key, str) and key.startswith(_GLOBAL)
-                and key[len(_GLOBAL):] in self.f_globals)
+        return self._lookup(key)[0]
 
     def __getitem__(self, key: str) -> object:
-        return self.f_globals[key[len(_GLOBAL):]]
+        found, value = self._lookup(key)
+        if not found:
+            raise KeyError(key)
+        return value
 
     def __bool__(self) -> bool:  # torch takes ``external_data or {}``
         return True
 
 
-def load_compiled(data: bytes, f_globals: dict[str, object]) -> Any:
+def load_compiled(
+    data: bytes, f_globals: dict[str, object], closure: tuple[Any, ...] = ()
+) -> Any:
     """Public API (torch.compiler.load_compiled_function), checked on torch 2.13.0.
 
     Loaded inside a throwaway ``torch._guards.TracingContext``: unpickling guard sources such as
@@ -333,7 +361,7 @@ def load_compiled(data: bytes, f_globals: dict[str, object]) -> Any:
 
     with tracing(TracingContext(FakeTensorMode())):
         return torch.compiler.load_compiled_function(
-            io.BytesIO(data), f_globals=f_globals, external_data=_LiveGlobals(f_globals))
+            io.BytesIO(data), f_globals=f_globals, external_data=_LiveObjects(f_globals, closure))
 
 
 def guard_check(compiled: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
