@@ -110,3 +110,27 @@ def test_graph_captures_on_the_given_stream() -> None:
 def test_stream_of_unknown_device_is_a_device_error() -> None:
     with pytest.raises(ngr.DeviceError, match="'cpu', 'cuda', 'npu'"):
         ngr.Stream("xpu-like")
+
+
+def test_a_label_names_no_stream_of_another_process() -> None:
+    """A graph saved by one process runs in others (cache_compile): its labels must not name a
+    stream the loading process made in the same place. The first stream of a new process and
+    one made here never share a label, and a label of another process resolves here to a stream
+    of its own, never to a live stream of this process."""
+    import subprocess
+    import sys
+
+    from npugraph_runtime.ops import user_stream
+
+    code = "import npugraph_runtime as ngr; print(ngr.Stream('cpu').label)"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True, timeout=120).stdout.strip()
+    here = ngr.Stream("cpu")
+    assert other.startswith("stream_1_") and here.label != other
+    number = int(here.label.split("_")[1])
+    mine = [ngr.Stream("cpu") for _ in range(3)]  # labels stream_<number+1..3>_<this tag>
+    foreign = f"stream_{number + 1}_{other.rsplit('_', 1)[1]}"
+    resolved = user_stream(foreign, "cpu")
+    assert all(resolved is not s for s in (here, *mine))
+    assert user_stream(foreign, "cpu") is resolved  # one stream per label in this process
+    assert type(here).__graph_stream_label__ == "label"  # the cache's protocol

@@ -144,7 +144,9 @@ def _local_type(entry: Any) -> bool:
         "<locals>" in type(entry.value).__qualname__)
 
 
-def dropped_guard(entry: Any, parameter_guards: bool) -> str | None:
+def dropped_guard(
+    entry: Any, parameter_guards: bool, stream_labels: frozenset[str] = frozenset()
+) -> str | None:
     """Why the serving path leaves one of dynamo's guards (a GuardFilterEntry, checked on
     torch 2.13.0) out of torch's saved guard tree, or None: torch keeps and checks it on every
     call. The drop-list (docs/serving.md lists what re-checks each and the test that proves it):
@@ -160,7 +162,13 @@ def dropped_guard(entry: Any, parameter_guards: bool) -> str | None:
     * ``hooks``: a module's hooks dict that was empty (EMPTY_NN_MODULE_HOOKS_DICT, which
       torch.compile skips by default, ``skip_nnmodule_hook_guards``): npugraph_cache.guards
       checks them all again whenever a hook was registered anywhere since
-      (``hook_registrations``), one integer compare a call otherwise."""
+      (``hook_registrations``), one integer compare a call otherwise;
+    * ``stream label``: the value of a stream's label (``stream_labels``: the sources the
+      guard filter found, see ``stream_label_sources``): a label names a stream of the graph, and
+      its value differs in every process; npugraph_cache.guards checks on every call which of
+      the streams the code used are one stream (the aliasing pattern), the graph's meaning."""
+    if entry.name in stream_labels:
+        return "stream label"
     if guard_kind(entry) in UNSAVABLE_GUARDS:
         return "identity"
     if entry.name.startswith("G[") or (entry.guard_type == "TENSOR_MATCH" and entry.is_global):
@@ -181,16 +189,44 @@ def portable_guard_filter(
     """torch.compile's ``guard_filter_fn`` (a public option; entries are GuardFilterEntry,
     checked on torch 2.13.0): keep every guard but those ``dropped_guard`` names. The values
     the code read are recorded for npugraph_cache.guards (``(kind, source)`` pairs)."""
+    labels = stream_label_sources(entries)
     if value_guards is not None and recorded is not None:
         for e in entries:
-            kind = guard_kind(e)
+            kind = STREAM_LABEL if e.name in labels else guard_kind(e)
             name, value = e.name, e.value if e.has_value else None
             if _local_type(e):
                 name, value = f"type({name})", type(value)
             source = value_guards(kind, name, value)
             if source is not None:
                 recorded.append((kind, source))
-    return [dropped_guard(e, parameter_guards) is None for e in entries]
+        # a label guard is dropped only where the aliasing check will see its stream
+        labels = frozenset(n for k, n in recorded if k == STREAM_LABEL)
+    else:
+        labels = frozenset()
+    return [dropped_guard(e, parameter_guards, labels) is None for e in entries]
+
+
+# the class attribute that names a stream object's label attribute (npugraph_runtime.Stream has
+# ``__graph_stream_label__ = "label"``): a protocol, so the cache imports nothing of ours
+STREAM_PROTOCOL = "__graph_stream_label__"
+STREAM_LABEL = "STREAM_LABEL"  # our kind for a recorded stream label (not one of dynamo's)
+
+
+def stream_label_sources(entries: Any) -> frozenset[str]:
+    """The sources of the label guards of stream objects among GuardFilterEntries (checked on
+    torch 2.13.0: dynamo makes a TYPE_MATCH on the object the code read, whose ``value`` is the
+    object, and a CONSTANT_MATCH (EQUALS_MATCH) on ``<source>.<label attribute>``)."""
+    streams: dict[str, str] = {}
+    for e in entries:
+        attr = getattr(type(e.value), STREAM_PROTOCOL, None) if (
+            e.guard_type == "TYPE_MATCH" and e.has_value) else None
+        if isinstance(attr, str) and attr.isidentifier():
+            streams[e.name] = attr
+    return frozenset(
+        e.name for e in entries
+        if e.guard_type in ("CONSTANT_MATCH", "EQUALS_MATCH") and e.has_value
+        and isinstance(e.value, str)
+        and any(e.name == f"{src}.{attr}" for src, attr in streams.items()))
 
 
 def _is_parameter(entry: Any) -> bool:
@@ -246,11 +282,75 @@ def serialize_compiled(compiled: Any) -> bytes:
     ``save_compiled_function(path)`` writes straight to a file, we need the bytes for our format."""
     from torch._dynamo.aot_compile import AOTCompiledFunction
 
-    data: bytes = AOTCompiledFunction.serialize(compiled).serialized_data
+    data: bytes = AOTCompiledFunction.serialize(compiled, outside_modules(compiled)).serialized_data
     return data
 
 
-def load_compiled(data: bytes, f_globals: dict[str, object]) -> Any:
+_GLOBAL, _CELL = "global:", "closure:"
+
+
+def outside_modules(compiled: Any) -> dict[str, Any]:
+    """The modules the traced code read through the function's globals (``PROJ(x)`` with
+    ``PROJ = nn.Linear(...)`` at module level) or its closure cells (a method of a class defined
+    in a function, closing over a module), as torch's ``external_data``: ``global:<name>``,
+    ``closure:<index>``. Checked on torch 2.13.0: the saved state holds a copy of the globals the
+    bytecode uses (``runtime_env.used_globals``) and the function's cells
+    (``runtime_env.closure``), and its pickler refuses an ``nn.Module`` that is not external data
+    ("Failed to serialize"). A loaded function runs with the live globals over that copy
+    (``forward_callable``'s ``extra_globals``); ``load_compiled`` binds each key to what the name
+    or the cell of the function holds in the loading process, so both are the live objects, as
+    the guards on them (checked on every call) expect."""
+    env = getattr(compiled._artifacts, "runtime_env", None)
+    found = {_GLOBAL + name: value for name, value in (getattr(env, "used_globals", None) or {}).items()
+             if isinstance(value, torch.nn.Module)}
+    for i, cell in enumerate(getattr(env, "closure", None) or ()):
+        try:
+            value = cell.cell_contents
+        except (AttributeError, ValueError):  # not a cell, or an empty one
+            continue
+        if isinstance(value, torch.nn.Module):
+            found[f"{_CELL}{i}"] = value
+    return found
+
+
+class _LiveObjects(dict[str, object]):
+    """``external_data`` for a load: ``global:NAME`` is what ``NAME`` holds in the globals now,
+    ``closure:I`` what the function's cell ``I`` holds (torch's unpickler asks ``key in``, then
+    ``[key]``)."""
+
+    def __init__(self, f_globals: dict[str, object], closure: tuple[Any, ...]) -> None:
+        super().__init__()
+        self.f_globals = f_globals
+        self.closure = closure
+
+    def _lookup(self, key: object) -> tuple[bool, object]:
+        if isinstance(key, str) and key.startswith(_GLOBAL) and key[len(_GLOBAL):] in self.f_globals:
+            return True, self.f_globals[key[len(_GLOBAL):]]
+        if isinstance(key, str) and key.startswith(_CELL) and key[len(_CELL):].isdigit():
+            index = int(key[len(_CELL):])
+            if index < len(self.closure):
+                try:
+                    return True, self.closure[index].cell_contents
+                except ValueError:  # an empty cell
+                    pass
+        return False, None
+
+    def __contains__(self, key: object) -> bool:
+        return self._lookup(key)[0]
+
+    def __getitem__(self, key: str) -> object:
+        found, value = self._lookup(key)
+        if not found:
+            raise KeyError(key)
+        return value
+
+    def __bool__(self) -> bool:  # torch takes ``external_data or {}``
+        return True
+
+
+def load_compiled(
+    data: bytes, f_globals: dict[str, object], closure: tuple[Any, ...] = ()
+) -> Any:
     """Public API (torch.compiler.load_compiled_function), checked on torch 2.13.0.
 
     Loaded inside a throwaway ``torch._guards.TracingContext``: unpickling guard sources such as
@@ -260,7 +360,8 @@ def load_compiled(data: bytes, f_globals: dict[str, object]) -> Any:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with tracing(TracingContext(FakeTensorMode())):
-        return torch.compiler.load_compiled_function(io.BytesIO(data), f_globals=f_globals)
+        return torch.compiler.load_compiled_function(
+            io.BytesIO(data), f_globals=f_globals, external_data=_LiveObjects(f_globals, closure))
 
 
 def guard_check(compiled: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -379,7 +379,8 @@ class CacheCompiledFunction:
         func_dir = self.func_dir
         call_args = (self._module, *args)
         reader = EntryReader(
-            self.store, self._self_name, self._function.__globals__, self._frame, self._seed
+            self.store, self._self_name, self._function.__globals__, self._frame, self._seed,
+            self._function.__closure__ or (),
         )
         loaded = True
         try:

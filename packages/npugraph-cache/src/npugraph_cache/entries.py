@@ -42,10 +42,12 @@ class EntryReader:
         function_globals: dict[str, Any],
         frame: Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, ...]],
         seed: Callable[[Path, Any], None],
+        closure: tuple[Any, ...] = (),
     ) -> None:
         self.store = store
         self.no_guards = ValueGuards(self_name, (), ())
         self._globals = function_globals
+        self._closure = closure  # the function's cells (a module in one is bound at load)
         self._frame = frame  # a call's (args, kwargs) -> the method's parameters' values
         self._seed = seed
         self.warned: set[str] = set()
@@ -86,7 +88,7 @@ class EntryReader:
                 self.stale.append(changed_value)
             return "rejected", None, none
         try:
-            compiled = _compat.load_compiled(entry.payload, self._globals)
+            compiled = _compat.load_compiled(entry.payload, self._globals, self._closure)
         except Exception as exc:  # torch raises many types here (pickle, version checks)
             self.reject(
                 f"npugraph_ex cache: ignoring {path}: cannot be loaded "

@@ -1,22 +1,25 @@
-"""Value guards that survive a save: the globals, closure cells and non-tensor module attributes
-the traced code read.
+"""What torch's saved guard tree cannot check, recorded per entry and checked by us.
 
-torch cannot save the guards dynamo puts on such values (they need the frame's globals), so an
-entry would otherwise replay the value it was traced with: ``self.lin(x) * SCALE`` with another
-``SCALE`` in a later process would return the old result. At compile time the guard filter
-hands us every value guard dynamo made (``CONSTANT_MATCH``/``EQUALS_MATCH`` on a value,
-``CLOSURE_MATCH``/``FUNCTION_MATCH`` on a function); we keep those rooted at the module's
-globals (``G[...]``, closure cells included) or at the module itself (``self.<attr>``) as source
-expressions with a portable description of the value (type and value for scalars, strings and
-tuples of them; module and qualified name for a function; ``repr`` otherwise). They are stored in
-the entry's (authenticated) metadata and checked before an entry is unpickled; the globals are
-checked again on every call, as are the modules' ``training`` flags: a changed value selects or
-compiles another entry, as torch.compile recompiles. Another module attribute changed inside a
-running process after its first call is not re-checked (documented in the README).
+At compile time the guard filter (``_compat.portable_guard_filter``) hands us every guard
+dynamo made; those the drop-list (``_compat.dropped_guard``, docs/serving.md) takes out of
+torch's tree are recorded here as source expressions over ``G`` (the function's globals) and the
+method's parameters (the module first), with a portable description of the value (type and
+value for scalars, strings and tuples of them; module, qualified name and code digest for a
+function; ``repr`` otherwise):
 
-Guards on the other arguments are left to the key's value signature; a value whose description
-holds a memory address (``<object at 0x...>``) cannot be compared across processes and is
-skipped (documented in the README).
+* the globals and closure cells (a loaded function would check a copy of them), the identities
+  torch cannot save (which function, class, enum member or object a source holds), checked on
+  every call against the live objects;
+* the modules' ``training`` flags and hooks dicts, checked on every call (the hooks only after a
+  hook was registered anywhere in the process);
+* stream labels, checked on every call as their aliasing pattern (``aliasing``);
+* the value guards on the module and the arguments torch keeps too, recorded for the check before
+  an entry is unpickled (a warning naming the value, another variant or a recompile) and after
+  its first call; torch's tree checks them on every call, module attributes changed in a running
+  process included.
+
+A value whose description holds a memory address (``<object at 0x...>``) matches only in the
+process that compiled it (documented in the README).
 """
 
 from __future__ import annotations
@@ -137,6 +140,8 @@ class ValueGuards:
         load the entry."""
         if guard_type == "TYPE_MATCH" and value is os.environ:
             return _ENVIRON
+        if guard_type == _compat.STREAM_LABEL:  # checked as the streams' aliasing pattern
+            return name if _rooted(name, params) else None
         if guard_type == "EMPTY_NN_MODULE_HOOKS_DICT":  # re-checked after a hook registration
             return f"len({name})" if _rooted(name, params) else None
         rooted_at_globals = name.startswith("G[")
@@ -159,6 +164,10 @@ class ValueGuards:
         sources: list[str] = []
         expected: list[Any] = []
         every: list[bool] = []
+        labels = [name for kind, name in dict.fromkeys(recorded) if kind == _compat.STREAM_LABEL]
+        if labels:
+            recorded = [(_ALIASING, f"{_ALIASING}({', '.join(labels)})")] + [
+                (kind, name) for kind, name in recorded if kind != _compat.STREAM_LABEL]
         for kind, name in dict.fromkeys(recorded):
             if name in sources:
                 if kind in IDENTITY_GUARDS:
@@ -170,7 +179,8 @@ class ValueGuards:
                 continue
             sources.append(name)
             expected.append(value)
-            every.append(name.startswith("G[") or name == _ENVIRON or kind in IDENTITY_GUARDS)
+            every.append(name.startswith("G[") or name == _ENVIRON or kind in IDENTITY_GUARDS
+                         or kind == _ALIASING)
         return cls(params[0], tuple(sources), tuple(expected), tuple(params), tuple(every))
 
     def to_json(self) -> dict[str, Any]:
@@ -223,8 +233,7 @@ class ValueGuards:
         if not picked:
             return modes or _always
         sources = [self.sources[i] for i in picked]
-        module_only = all((_names(s) or set()) <= {"G", self.self_name, *dir(builtins)}
-                          for s in sources)
+        module_only = all((_names(s) or set()) <= {"G", self.self_name, *_KNOWN} for s in sources)
         params = (self.self_name,) if module_only else self.params
         raw = _evaluator(params, sources, described=False)
         described = _evaluator(params, sources)
@@ -288,8 +297,7 @@ class ValueGuards:
         if not picked:
             return None
         sources = [self.sources[i] for i in picked]
-        module_only = all((_names(s) or set()) <= {"G", self.self_name, *dir(builtins)}
-                          for s in sources)
+        module_only = all((_names(s) or set()) <= {"G", self.self_name, *_KNOWN} for s in sources)
         params = (self.self_name,) if module_only else self.params
         lengths = _evaluator(params, sources, described=False)
         empty = (0,) * len(sources)
@@ -317,6 +325,8 @@ class ValueGuards:
                 got = _evaluator(self.params, (source,))(f_globals, *frame)[0]
             except Exception as exc:
                 return f"{source} cannot be read now ({type(exc).__name__}), was {_show(want)}"
+            if got != want and source.startswith(f"{_ALIASING}("):
+                return _aliasing_changed(source, got, want)
             if got != want and got[0] == want[0] == "environ":
                 differ = sorted(dict(set(got[1]) ^ set(want[1])))
                 return f"os.environ differs from when compiled in {', '.join(differ[:3])}"
@@ -335,6 +345,34 @@ class ValueGuards:
         except Exception:  # mismatch names the value that cannot be read
             pass
         return self.mismatch(f_globals, frame)
+
+
+# The streams a graph runs on are named by labels whose values differ in every process (they
+# name a stream of the graph, not a stream of the process): what the graph's meaning depends on
+# is which of them are one stream. The label guards are dropped from torch's tree
+# (``_compat.dropped_guard``: "stream label") and this pattern is checked on every call instead.
+_ALIASING = "___stream_aliasing"
+_KNOWN = frozenset({*dir(builtins), _ALIASING})
+
+
+def aliasing(*labels: Any) -> tuple[int, ...]:
+    """Which of ``labels`` are one stream: each label's index of first occurrence, so
+    ``(a, b, a)`` -> ``(0, 1, 0)`` whatever the values."""
+    first: dict[Any, int] = {}
+    return tuple(first.setdefault(label, i) for i, label in enumerate(labels))
+
+
+def _aliasing_changed(source: str, got: Any, want: Any) -> str:
+    names = [n.strip().rsplit(".", 1)[0] for n in source[len(_ALIASING) + 1:-1].split(",")]
+
+    def groups(desc: Any) -> str:
+        pattern = [d[1] for d in desc[1]]
+        return ", ".join(
+            "[" + " = ".join(n for n, p in zip(names, pattern, strict=True) if p == first) + "]"
+            for first in sorted(set(pattern)))
+
+    return (f"the streams the code used are {groups(got)}, were {groups(want)} when compiled "
+            "([a = b]: one stream)")
 
 
 _MODE = ".training"
@@ -389,6 +427,6 @@ def _evaluator(
     body = ", ".join(f"___describe({s})" if described else s for s in sources)
     code = compile(f"lambda G, {', '.join(params)}: ({body},)", "<npugraph_cache value guards>",
                    "eval")
-    namespace = {"___describe": describe, "__builtins__": builtins}
+    namespace = {"___describe": describe, _ALIASING: aliasing, "__builtins__": builtins}
     fn: Callable[..., Any] = eval(code, namespace)  # our own sources
     return fn

@@ -16,6 +16,7 @@ refused); events may be created inside."""
 from __future__ import annotations
 
 import itertools
+import secrets
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -29,12 +30,26 @@ from npugraph_runtime.errors import NpugraphError
 from npugraph_runtime.scope_keys import USER_STREAM_LABEL
 
 _LABELS = itertools.count(1)
+# A label names a stream of a compiled graph, and a graph saved by one process (cache_compile) is
+# run by others: a label made by a counter alone would name, in the loading process, whatever
+# stream that process made in that place (another stream, perhaps of another device). The
+# process's own random tag makes every label unique, so a loaded graph's labels name streams of
+# its own (``ops.user_stream`` makes one per label), as a graph's streams should be.
+_PROCESS_TAG = secrets.token_hex(4)
 # label -> the live Stream of that label (weak: a stream nobody holds is not kept by its label)
 _BY_LABEL: weakref.WeakValueDictionary[str, Stream] = weakref.WeakValueDictionary()
 
 
 class Stream:
-    """A stream of ``device`` (None: the current accelerator, else the CPU)."""
+    """A stream of ``device`` (None: the current accelerator, else the CPU).
+
+    ``label`` names the stream in compiled graphs (``scope_enter``'s ``"_user_stream_label"``);
+    dynamo guards its value, so a call with another stream object compiles again. What a graph's
+    meaning depends on is only which of its streams are one stream: ``__graph_stream_label__``
+    (the protocol npugraph_cache reads, without importing us) names the attribute, so a saved
+    graph is served to a process whose streams have other labels but the same aliasing."""
+
+    __graph_stream_label__ = "label"
 
     def __init__(self, device: torch.device | str | None = None, *, _impl: Any = None) -> None:
         if _compat.compiling():
@@ -48,7 +63,7 @@ class Stream:
         self.impl = _impl
         self.device: torch.device = _impl.device
         # the name compiled graphs give this stream (scope_enter's "_user_stream_label")
-        self.label = f"stream_{next(_LABELS)}"
+        self.label = f"stream_{next(_LABELS)}_{_PROCESS_TAG}"
         _BY_LABEL[self.label] = self
 
     def __eq__(self, other: object) -> bool:
