@@ -217,6 +217,31 @@ def test_other_dtype_gives_another_entry(tmp_path: Path, block: Block) -> None:
     assert len(set(fn.entry_paths)) == 2
 
 
+def test_guard_check_says_which_calls_an_entry_serves_and_compiles_nothing(
+    tmp_path: Path, block: Block
+) -> None:
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    fn = cache_compile(block.decode, cache_dir=tmp_path)
+    x, kv = _inputs()
+    assert not fn.guard_check(x, kv)  # no entry yet
+    for _ in range(3):
+        x, kv = _inputs()
+        torch.testing.assert_close(fn(x, kv), _eager(block, x, kv))
+    assert counters["npugraph_ex_cache"]["compiled"] == 1
+    assert fn.guard_check(x, kv)
+    assert fn.guard_check(*_inputs(6))  # dynamic: another length is the same entry
+    assert not fn.guard_check(x.double(), [kv[0].double()])  # torch's tree: the dtype
+    assert not fn.guard_check(x, [kv[0], kv[0]])  # the value signature: the list's length
+    assert not fn.guard_check(x, kv=kv)  # a keyword is another signature: another entry
+    with torch.enable_grad():
+        assert fn.guard_check(x, kv)  # as the call: under no_grad
+    assert counters["npugraph_ex_cache"]["compiled"] == 1 and len(fn.entry_paths) == 1
+    torch.testing.assert_close(fn(x, kv=kv), _eager(block, x, kv))
+    assert fn.guard_check(x, kv=kv) and counters["npugraph_ex_cache"]["compiled"] == 2
+
+
 def test_graph_with_random_ops_is_refused(tmp_path: Path) -> None:
     fn = cache_compile(Block(random=True).decode, cache_dir=tmp_path)
     with pytest.raises(RngGraphError, match="random numbers"):
