@@ -619,6 +619,30 @@ def test_a_float_default_left_out_does_not_make_every_float_a_new_entry(tmp_path
     assert counters["npugraph_ex_cache"]["compiled"] == 2
 
 
+def test_an_entry_runs_dynamos_function_only_once_its_own_check_is_off(
+    tmp_path: Path, block: Block
+) -> None:
+    """The serving call skips torch's second guard check (ours ran first), never a check that
+    is still on: a compiled function with its check on is called as is, and refuses a call its
+    guards reject."""
+    fn = cache_compile(block.decode, cache_dir=tmp_path)
+    x, kv = _inputs()
+    torch.testing.assert_close(fn(x, kv), _eager(block, x, kv))
+    [entry] = fn._entries
+    assert entry.run is entry.compiled.fn  # the check is off: cache_compile checked first
+    checked = _compat.aot_compile(block.decode, (x, kv), {}, _eager_graph, True)
+    assert _compat.checked_elsewhere(checked) is checked
+    with pytest.raises(RuntimeError, match="GuardManager check failed"):
+        _compat.checked_elsewhere(checked)(block, x.double(), [kv[0].double()])
+    for _ in range(3):
+        x, kv = _inputs()
+        torch.testing.assert_close(fn(x, kv), _eager(block, x, kv))
+
+
+def _eager_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    return _compat.eager_serializable(gm)
+
+
 def test_the_drop_list_names_only_what_torch_cannot_save() -> None:
     """The identity guards dropped from torch's tree are exactly the kinds its save refuses."""
     from torch._dynamo.guards import CheckFunctionManager
