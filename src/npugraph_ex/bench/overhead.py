@@ -201,6 +201,16 @@ class Workload:
                 raise RuntimeError("cache_compile: its guards or its capture manager called "
                                    "with the graph's inputs disagree with its own call")
         self.fns["ours: serving path capture manager call"] = lambda: runner(*args)
+        # the floor of a direct call past torch's compiled function (none exists): the same
+        # selection, then the capture manager holding the 100 parameters (GraphedCallable.bind)
+        bound = runner.bind(args[len(self.inputs):])
+        if bound is not None:
+            check, user = cold.guard_check, tuple(self.inputs)
+
+            def floor() -> Any:
+                return bound(user) if check(*user) else None
+
+            self.fns["ours: serving path direct-call floor"] = floor
         # a server whose weights never move (frozen_parameter: no per-call address checks)
         frozen_seen: list[Any] = []
         with observe_compiled(frozen_seen.append):
@@ -297,6 +307,13 @@ def _serving_breakdown(sec: Section, t: dict[str, float]) -> None:
     for label, value, note in parts:
         sec.data[f"serving_cold_{label.replace(' ', '_')}_us"] = value
         sec.figures.append(Figure(f"    of which {label}", value, "µs", note=note))
+    floor = t.get("ours: serving path direct-call floor")
+    plain = t.get("ours: compiled call", 0.0) - t.get("ours: bare replay", 0.0)
+    if floor is not None and plain > 0:
+        sec.data["serving_direct_call_floor_over_plain"] = (floor - bare) / plain
+        sec.figures.append(Figure(
+            "  a direct call's floor / plain path's", (floor - bare) / plain, "x",
+            note="selection + capture manager holding the parameters; not a path that exists"))
 
 
 def _close(value: float, base: float) -> bool:
