@@ -203,6 +203,10 @@ class CacheCompiledFunction:
         self._self_name: str = self._function.__code__.co_varnames[0]
         self._signature = inspect.signature(self._function)
         self._params = tuple(self._signature.parameters)
+        # a call giving every parameter positionally binds by position: no Signature.bind
+        self._positional_arity = len(self._params) if all(
+            p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+            for p in self._signature.parameters.values()) else -1
         self.entry_paths: list[Path] = []
         self.__wrapped__ = func
         self.__doc__ = getattr(func, "__doc__", None)
@@ -210,6 +214,8 @@ class CacheCompiledFunction:
     def _frame(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The method's parameters' values for a call (the module first, defaults applied), as
         dynamo's guards name them."""
+        if not kwargs and len(args) + 1 == self._positional_arity:
+            return (self._module, *args)
         bound = self._signature.bind(self._module, *args, **kwargs)
         bound.apply_defaults()
         return tuple(bound.arguments[p] for p in self._params)
