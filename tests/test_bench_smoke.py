@@ -44,6 +44,12 @@ def test_bench_quick_section_a_writes_json_with_environment_and_figures(tmp_path
     for start in ("cold", "warm"):
         serving = figures[f"ours: serving path (cache_compile, {start}) over bare replay"]
         assert serving["status"] in measured, serving["note"]
+        if cache_compat.has_aot_compile():  # issue 24 item 5: the ratio, checked against 0.15x
+            ratio = figures[f"  serving path ({start}) overhead / plain path's"]
+            assert ratio["status"] in ("PASS", "MISS") and isinstance(ratio["value"], float)
+    if cache_compat.has_aot_compile():  # where the cold serving call's overhead goes
+        for part in ("selection", "torch's compiled function", "capture manager"):
+            assert isinstance(figures[f"    of which {part}"]["value"], float)
     assert figures["aot_eager overhead over its GraphModule"]["value"] is not None
     assert (tmp_path / "bench.png").stat().st_size > 0
 

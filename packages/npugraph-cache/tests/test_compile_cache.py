@@ -217,6 +217,31 @@ def test_other_dtype_gives_another_entry(tmp_path: Path, block: Block) -> None:
     assert len(set(fn.entry_paths)) == 2
 
 
+def test_guard_check_says_which_calls_an_entry_serves_and_compiles_nothing(
+    tmp_path: Path, block: Block
+) -> None:
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    fn = cache_compile(block.decode, cache_dir=tmp_path)
+    x, kv = _inputs()
+    assert not fn.guard_check(x, kv)  # no entry yet
+    for _ in range(3):
+        x, kv = _inputs()
+        torch.testing.assert_close(fn(x, kv), _eager(block, x, kv))
+    assert counters["npugraph_ex_cache"]["compiled"] == 1
+    assert fn.guard_check(x, kv)
+    assert fn.guard_check(*_inputs(6))  # dynamic: another length is the same entry
+    assert not fn.guard_check(x.double(), [kv[0].double()])  # torch's tree: the dtype
+    assert not fn.guard_check(x, [kv[0], kv[0]])  # the value signature: the list's length
+    assert not fn.guard_check(x, kv=kv)  # a keyword is another signature: another entry
+    with torch.enable_grad():
+        assert fn.guard_check(x, kv)  # as the call: under no_grad
+    assert counters["npugraph_ex_cache"]["compiled"] == 1 and len(fn.entry_paths) == 1
+    torch.testing.assert_close(fn(x, kv=kv), _eager(block, x, kv))
+    assert fn.guard_check(x, kv=kv) and counters["npugraph_ex_cache"]["compiled"] == 2
+
+
 def test_graph_with_random_ops_is_refused(tmp_path: Path) -> None:
     fn = cache_compile(Block(random=True).decode, cache_dir=tmp_path)
     with pytest.raises(RngGraphError, match="random numbers"):
@@ -592,6 +617,30 @@ def test_a_float_default_left_out_does_not_make_every_float_a_new_entry(tmp_path
         with torch.no_grad():
             torch.testing.assert_close(fn(x, **kwargs), model.default(x, **kwargs))
     assert counters["npugraph_ex_cache"]["compiled"] == 2
+
+
+def test_an_entry_runs_dynamos_function_only_once_its_own_check_is_off(
+    tmp_path: Path, block: Block
+) -> None:
+    """The serving call skips torch's second guard check (ours ran first), never a check that
+    is still on: a compiled function with its check on is called as is, and refuses a call its
+    guards reject."""
+    fn = cache_compile(block.decode, cache_dir=tmp_path)
+    x, kv = _inputs()
+    torch.testing.assert_close(fn(x, kv), _eager(block, x, kv))
+    [entry] = fn._entries
+    assert entry.run is entry.compiled.fn  # the check is off: cache_compile checked first
+    checked = _compat.aot_compile(block.decode, (x, kv), {}, _eager_graph, True)
+    assert _compat.checked_elsewhere(checked) is checked
+    with pytest.raises(RuntimeError, match="GuardManager check failed"):
+        _compat.checked_elsewhere(checked)(block, x.double(), [kv[0].double()])
+    for _ in range(3):
+        x, kv = _inputs()
+        torch.testing.assert_close(fn(x, kv), _eager(block, x, kv))
+
+
+def _eager_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    return _compat.eager_serializable(gm)
 
 
 def test_the_drop_list_names_only_what_torch_cannot_save() -> None:

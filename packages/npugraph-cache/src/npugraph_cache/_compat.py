@@ -429,6 +429,20 @@ def disable_guard_check(compiled: Any) -> None:
         disable()
 
 
+def checked_elsewhere(compiled: Any) -> Callable[..., Any]:
+    """What calling ``compiled`` runs once its guards were checked by the caller. Checked on
+    torch 2.13.0: ``AOTCompiledFunction.__call__`` with ``disable_guard_check()`` applied does
+    nothing but ``self.fn(*args, **kwargs)`` (``fn`` is dynamo's transformed function, set in
+    ``__post_init__``); calling ``fn`` skips one Python frame a call. Anything else, or a
+    function whose own check is still on, is called as is."""
+    fn = getattr(compiled, "fn", None)
+    if (type(compiled).__name__ == "AOTCompiledFunction" and callable(fn)
+            and getattr(compiled, "_guard_check_enabled", True) is False
+            and getattr(getattr(compiled, "_artifacts", None), "guard_manager", None) is not None):
+        return fn  # type: ignore[no-any-return]
+    return compiled  # type: ignore[no-any-return]
+
+
 def eager_serializable(gm: torch.fx.GraphModule) -> Any:
     """Checked on torch 2.13.0: ``GraphModuleSerializableCallable`` runs the dynamo graph as is
     and pickles it with ``GraphPickler``."""

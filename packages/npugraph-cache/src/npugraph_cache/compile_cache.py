@@ -133,7 +133,7 @@ class _Entry:
     """One entry in use: what selects it for a call (value signature, value guards, kept
     guards) and the compiled function, called with its guards on every call."""
 
-    __slots__ = ("compiled", "guards_pass", "signature", "training", "values_match")
+    __slots__ = ("compiled", "guards_pass", "run", "signature", "training", "values_match")
 
     def __init__(
         self, signature: tuple[Any, ...], compiled: Any,
@@ -144,9 +144,17 @@ class _Entry:
         # the module's mode when the entry was made: module attributes are not re-checked on
         # every call, but train()/eval() is (one attribute read; BatchNorm and dropout read it)
         self.training = training
-        self.compiled = compiled
         self.values_match = values_match
         self.guards_pass = guards_pass
+        self.compiled: Any = None
+        self.run: Callable[..., Any] = compiled
+        self.replace(compiled)
+
+    def replace(self, compiled: Any) -> None:
+        """Serve with ``compiled`` from now on; ``run`` is what a call whose guards passed
+        runs (the compiled function without its own second guard check)."""
+        self.compiled = compiled
+        self.run = _compat.checked_elsewhere(compiled)
 
 
 class CacheCompiledFunction:
@@ -195,6 +203,10 @@ class CacheCompiledFunction:
         self._self_name: str = self._function.__code__.co_varnames[0]
         self._signature = inspect.signature(self._function)
         self._params = tuple(self._signature.parameters)
+        # a call giving every parameter positionally binds by position: no Signature.bind
+        self._positional_arity = len(self._params) if all(
+            p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+            for p in self._signature.parameters.values()) else -1
         self.entry_paths: list[Path] = []
         self.__wrapped__ = func
         self.__doc__ = getattr(func, "__doc__", None)
@@ -202,6 +214,8 @@ class CacheCompiledFunction:
     def _frame(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
         """The method's parameters' values for a call (the module first, defaults applied), as
         dynamo's guards name them."""
+        if not kwargs and len(args) + 1 == self._positional_arity:
+            return (self._module, *args)
         bound = self._signature.bind(self._module, *args, **kwargs)
         bound.apply_defaults()
         return tuple(bound.arguments[p] for p in self._params)
@@ -230,26 +244,43 @@ class CacheCompiledFunction:
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         signature = value_signature(args, kwargs, self.dynamic, self._float_values)
-        training = self._module.training
-        for entry in self._entries:
-            if (entry.signature != signature or entry.training is not training
-                    or not entry.values_match(args, kwargs)):
-                continue
-            call_args = (self._module, *args)
-            if entry.guards_pass(call_args, kwargs):
-                return entry.compiled(*call_args, **kwargs)
+        call_args = (self._module, *args)
+        entry = self._select(signature, args, call_args, kwargs)
+        if entry is not None:
+            return entry.run(*call_args, **kwargs)
         with self._miss_lock:
             return self._miss(signature, args, kwargs)
+
+    def _select(self, signature: tuple[Any, ...], args: tuple[Any, ...],
+                call_args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Entry | None:
+        """The first entry in use whose value signature, mode, value guards and torch's guard
+        tree accept the call (each evaluated once), or None."""
+        training = self._module.training
+        for entry in self._entries:
+            if (entry.signature == signature and entry.training is training
+                    and entry.values_match(args, kwargs)
+                    and entry.guards_pass(call_args, kwargs)):
+                return entry
+        return None
+
+    def guard_check(self, *args: Any, **kwargs: Any) -> bool:
+        """Whether an entry in use serves this call as it is, without a load or a compile: its
+        value signature, the value guards of ``npugraph_cache.guards`` and torch's guard tree
+        accept it (what every call evaluates before it runs an entry; bench (a) times it).
+        Evaluated under ``torch.no_grad()``, as the call runs."""
+        if torch.is_grad_enabled():
+            with torch.no_grad():
+                return self.guard_check(*args, **kwargs)
+        signature = value_signature(args, kwargs, self.dynamic, self._float_values)
+        return self._select(signature, args, (self._module, *args), kwargs) is not None
 
     def _miss(self, signature: tuple[Any, ...], args: tuple[Any, ...],
               kwargs: dict[str, Any]) -> Any:
         call_args = (self._module, *args)
         training = self._module.training
-        for entry in self._entries:  # one another thread added while this one waited
-            if (entry.signature == signature and entry.training is training
-                    and entry.values_match(args, kwargs)
-                    and entry.guards_pass(call_args, kwargs)):
-                return entry.compiled(*call_args, **kwargs)
+        found = self._select(signature, args, call_args, kwargs)  # one another thread added
+        if found is not None:
+            return found.run(*call_args, **kwargs)
         try:
             compiled, guards, loaded = self._obtain(args, kwargs)
         except FloatsSpecialised:
@@ -275,8 +306,8 @@ class CacheCompiledFunction:
             changed = "the call itself fails the guards it passed (an attribute or container " \
                       "it read and updated)"
         if changed is not None:  # the call changed what the entry was traced with
-            entry.compiled = self._state_writer(f"changed a value its graph was traced with "
-                                                f"({changed})")
+            entry.replace(self._state_writer(f"changed a value its graph was traced with "
+                                             f"({changed})"))
             entry.values_match = _guarded_by_torch
             entry.guards_pass = _compat.guard_checker(entry.compiled)
         return out
