@@ -77,6 +77,44 @@ def test_nan_and_negative_zero_survive_the_copy_kernel() -> None:
     assert torch.equal(out.view(torch.int32), x.contiguous().view(torch.int32))
 
 
+GATHERS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "rows of a KV buffer": lambda kv, idx: kv[idx] * 1.0,
+    "rows of a per-layer view": lambda kv, idx: kv[1:][idx] + 0.0,
+    "rows of a transpose": lambda kv, idx: kv.transpose(1, 2)[idx] * 1.0,
+}
+
+
+@pytest.mark.parametrize("case", list(GATHERS))
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_row_gathers_replay_as_index_select_bitwise_equal_to_eager(
+        case: str, dtype: torch.dtype) -> None:
+    """``kv[idx]`` (a decode step's read of its requests' KV slots) replays as index_select,
+    a copy per row; on every index eager accepts, a negative one included, bitwise eager."""
+    fn = GATHERS[case]
+    kv = torch.randn(9, 6, 5)
+    idx = torch.tensor([3, 0, 7, 3], dtype=dtype)
+    g, out = _capture(fn, kv, idx)
+    assert _kernels(g)["aten::index.Tensor"] == "gather_rows"
+    for fresh in ([7, 1, 1, 2], [-1, 0, -8, 5], [0, 0, 0, 0]):
+        idx.copy_(torch.tensor(fresh, dtype=dtype))
+        kv.copy_(torch.randn_like(kv))
+        g.replay()  # type: ignore[attr-defined]
+        assert torch.equal(out, fn(kv, idx))  # type: ignore[arg-type]
+    idx.copy_(torch.tensor([0, 9, 0, 0], dtype=dtype))
+    with pytest.raises(IndexError):  # refused as eager refuses it
+        g.replay()  # type: ignore[attr-defined]
+
+
+def test_other_index_reads_keep_their_own_kernel() -> None:
+    """A 2-D index, two indices: not a row gather."""
+    kv = torch.randn(9, 6, 5)
+    idx = torch.tensor([[3, 0], [4, 3]])
+    for fn in (lambda kv: kv[idx] * 1.0,
+               lambda kv: kv[idx[0], idx[1]] * 1.0):
+        g, out = _capture(fn, kv)
+        assert _kernels(g)["aten::index.Tensor"] != "gather_rows"
+
+
 def test_a_recapture_of_the_same_signature_reuses_the_decision() -> None:
     x = torch.randn(4, 8)
     fn = lambda t: torch.sin(t) + 1  # noqa: E731
