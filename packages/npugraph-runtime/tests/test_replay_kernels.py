@@ -111,7 +111,7 @@ def test_other_index_reads_keep_their_own_kernel() -> None:
     idx = torch.tensor([[3, 0], [4, 3]])
     for fn in (lambda kv: kv[idx] * 1.0,
                lambda kv: kv[idx[0], idx[1]] * 1.0):
-        g, out = _capture(fn, kv)
+        g, _ = _capture(fn, kv)
         assert _kernels(g)["aten::index.Tensor"] != "gather_rows"
 
 
