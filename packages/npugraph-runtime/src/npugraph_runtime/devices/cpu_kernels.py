@@ -23,8 +23,10 @@ machine's load at capture:
 
 In-place ops are re-issued as a bound ``Tensor`` method when that verifies, else as the op itself.
 
+A decision is the first candidate in rule order that verifies; the later ones are not run.
 Decisions are kept per op and argument layout (``_DECIDED``): a later capture of the same
-signature verifies, on its own data, the candidates in rule order until one passes.
+signature verifies, on its own data, the decided candidate (and, should it fail there, the
+candidates in rule order until one passes).
 A ``DecisionJournal`` exports, as plain data, the decisions the captures of one thread used while
 it was open (what one cache entry's first call decided); ``seed_kernel_decisions`` imports them,
 possibly in another process.
@@ -217,21 +219,25 @@ def _decide(
     func: Any, op: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], outs: Outs,
     copy_only: bool,
 ) -> Decision:
-    """Every candidate that verifies on this capture's data, in rule order."""
-    found = [c for c in _possible(func, op, args, outs, copy_only) if verified(c, args, kwargs, outs)]
-    return Decision(tuple(sorted(found, key=lambda c: c.rank)))
+    """The first candidate in rule order that verifies on this capture's data: the one the
+    replay issues. The later ones are not run: each check runs a kernel on the capture's data,
+    and a server's captures (a new size is a new signature) pay for every one."""
+    for c in sorted(_possible(func, op, args, outs, copy_only), key=lambda c: c.rank):
+        if verified(c, args, kwargs, outs):
+            return Decision((c,))
+    raise AssertionError("unreachable: the op itself needs no check")
 
 
 def _recheck(
-    decision: Decision, op: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
-    outs: Outs,
+    decision: Decision, func: Any, op: Callable[..., Any], args: Sequence[Any],
+    kwargs: dict[str, Any], outs: Outs, copy_only: bool,
 ) -> list[Candidate]:
-    """The first candidate of a known decision that verifies on this capture's data (the op
-    itself needs no check, so the result is never empty)."""
+    """The first candidate of a known decision that verifies on this capture's data; where none
+    does, the first in rule order that does (``_decide``)."""
     for c in decision.candidates:
         if verified(c, args, kwargs, outs):
             return [c]
-    return [Candidate(Kind.COPY, op, label="op")]
+    return list(_decide(func, op, args, kwargs, outs, copy_only).candidates)
 
 
 def out_candidates(
@@ -266,7 +272,7 @@ def out_candidates(
     for journal in _OPEN.journals:
         journal.note(key, decision)
     if how == "rechecked":
-        return _recheck(decision, op, args, kwargs, outs)
+        return _recheck(decision, func, op, args, kwargs, outs, copy_only)
     return list(decision.candidates)
 
 
@@ -285,8 +291,8 @@ def _from_seed(
     if any(label not in by_label for label in labels):
         return None  # made by another torch or another version of this module: decide afresh
     candidates = [by_label[label] for label in labels]
-    if not any(c.call is op for c in candidates):
-        candidates.append(by_label["op"])
+    if not candidates:
+        return None
     # the thread count may have changed since the seed was taken: checked again here
     trusted = threads is not None and threads == torch.get_num_threads()
     decision = Decision(tuple(sorted(candidates, key=lambda c: c.rank)), trusted)
