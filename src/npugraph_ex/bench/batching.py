@@ -11,7 +11,9 @@ with the position as a Python int (one per step) instead of a tensor: an int tha
 values is a graph input, so a new value is a replay, not a capture.
 
 Figures: captures, eager fallbacks, the max error of the real rows against eager, the median
-steady step and the total time, side by side; targets on ours as the issue sets them."""
+steady step and the total time, side by side; targets on ours as the issue sets them. One more
+round of ours under cProfile splits its step into the torch.compile wrappers, the padding, the
+capture manager and the replay's ops (INFO rows)."""
 
 from __future__ import annotations
 
