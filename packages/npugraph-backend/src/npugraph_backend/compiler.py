@@ -153,7 +153,7 @@ class CompiledGraph:
             clone_input=config.clone_input,
             # with capture_sizes, a server keeps each step's logits past the next call: the
             # outputs are copies, so that a kept step costs a copy, not a second capture per size
-            # (the held-output capture) with its own memory
+            # (the held-output capture)
             clone_output=config.clone_output or config.capture_sizes is not None,
             pool=pool,
             check_static_addresses=not config.frozen_parameter,
