@@ -104,6 +104,28 @@ def test_padded_decode_equals_eager_with_bounded_captures(counter: Callable[[str
     assert eager.kc[:, SCRATCH].abs().sum() == 0
 
 
+def test_logits_kept_across_the_next_call_cost_no_second_capture(
+        counter: Callable[[str], int]) -> None:
+    """A server keeps each step's logits while it runs the next step: they keep their values,
+    and no size is captured twice for it (no held-output capture)."""
+    model = Decoder()
+    eager = copy.deepcopy(model)
+    compiled = _compiled(model, capture_sizes=SIZES, pad_values={"slots": SCRATCH})
+    gen = torch.Generator().manual_seed(2)
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with torch.no_grad():
+        for size in CALLS:
+            args = _batch(size, gen)
+            out = compiled(*args)
+            kept.append((out, out.clone()))
+            torch.testing.assert_close(out, eager(*args), rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(out, was) for out, was in kept)  # no later replay wrote them
+    used = {next(s for s in SIZES if s >= n) for n in CALLS}
+    assert counter("captured_") == len(used)
+    assert counter("capture_due_to_held_outputs") == 0
+    assert counter("fallback") == 0
+
+
 def test_padding_off_captures_per_size(counter: Callable[[str], int]) -> None:
     model = Decoder()
     eager = copy.deepcopy(model)

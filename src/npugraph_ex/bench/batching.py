@@ -11,11 +11,15 @@ with the position as a Python int (one per step) instead of a tensor: an int tha
 values is a graph input, so a new value is a replay, not a capture.
 
 Figures: captures, eager fallbacks, the max error of the real rows against eager, the median
-steady step and the total time, side by side; targets on ours as the issue sets them."""
+steady step and the total time, side by side; targets on ours as the issue sets them. One more
+round of ours under cProfile splits its step into the torch.compile wrappers, the padding, the
+capture manager and the replay's ops (INFO rows)."""
 
 from __future__ import annotations
 
+import cProfile
 import math
+import pstats
 import random
 import statistics
 import time
@@ -269,6 +273,8 @@ def run(ctx: BenchContext) -> Section:
         sec.figures.append(Figure(
             f"{label}: ours median step {ours['median_step_ms']:.3f} ms, total "
             f"{ours['total_ms']:.0f} ms", ours["median_step_ms"], "ms"))
+    if OURS in compiled:
+        facts[OURS]["step_breakdown_ms"] = _breakdown(sec, compiled[OURS], models[OURS], steps)
     _unpadded(ctx, sec, base, steps, warm, expected, facts)
     _fixed(ctx, sec, base, options, facts)
     sec.data.update(hidden=HIDDEN, layers=LAYERS, slots=SLOTS, positions=POSITIONS,
@@ -276,6 +282,49 @@ def run(ctx: BenchContext) -> Section:
                     rounds=rounds, live=[len(s.slots) for s in steps], captures=captures,
                     fallbacks=fallbacks, results=facts)
     return sec
+
+
+# Where a call of ours spends its time, by the function whose cumulative time bounds each part:
+# (file suffix, function name), outermost first.
+_PARTS = (
+    ("torch.compile wrappers (Dynamo guards, AOT wrapper, int inputs)", None),
+    ("padding (pad-row copies, write-back, narrowing)", ("npugraph_backend/padding.py", "__call__")),
+    ("capture manager (address/held checks, input copies, output copies)",
+     ("npugraph_runtime/manager.py", "__call__")),
+    ("replay: the graph's ops (device graph replay)", ("npugraph_runtime/devices/cpu.py", "replay")),
+)
+
+
+def _breakdown(sec: Section, fn: Callable[..., Any], model: Decoder, steps: list[Step]
+               ) -> dict[str, float]:
+    """One more round of ours under cProfile: ms per step in each part of a call (each part's
+    time less the next part's, which runs inside it). cProfile slows Python code more than
+    kernels, so the host parts read high; the split, not the sum, is the figure."""
+    model.kc.zero_()
+    model.vc.zero_()
+    prof = cProfile.Profile()
+
+    def loop() -> None:
+        with torch.no_grad():
+            for s in steps:
+                fn(model, s.tokens, s.slots, s.pos)
+
+    prof.runcall(loop)
+    stats: dict[Any, Any] = pstats.Stats(prof).stats  # type: ignore[attr-defined]
+    total = next(v[3] for k, v in stats.items() if k[2] == "loop" and k[0] == __file__)
+    inner = [total]
+    for _, where in _PARTS[1:]:
+        assert where is not None
+        inner.append(sum(v[3] for k, v in stats.items()
+                         if k[0].endswith(where[0]) and k[2] == where[1]))
+    inner.append(0.0)
+    out: dict[str, float] = {}
+    for i, (label, _) in enumerate(_PARTS):
+        ms = (inner[i] - inner[i + 1]) / len(steps) * 1e3
+        out[label] = ms
+        sec.figures.append(Figure(f"ours steady step, profiled: {label} {ms:.3f} ms", ms, "ms",
+                                  note="cProfile inflates the host parts"))
+    return out
 
 
 def _unpadded(ctx: BenchContext, sec: Section, base: Decoder, steps: list[Step],

@@ -151,7 +151,10 @@ class CompiledGraph:
             force_recapture=config.force_recapture,
             force_eager=config.force_eager,
             clone_input=config.clone_input,
-            clone_output=config.clone_output,
+            # with capture_sizes, a server keeps each step's logits past the next call: the
+            # outputs are copies, so that a kept step costs a copy, not a second capture per size
+            # (the held-output capture)
+            clone_output=config.clone_output or config.capture_sizes is not None,
             pool=pool,
             check_static_addresses=not config.frozen_parameter,
             capture_error_mode=config.capture_error_mode,

@@ -13,7 +13,7 @@ from typing import Any
 
 from npugraph_runtime import _compat
 from npugraph_runtime.devices.cpu import CpuGraph
-from npugraph_runtime.devices.cpu_candidates import Kind
+from npugraph_runtime.devices.cpu_candidates import Kind, preferred
 from npugraph_runtime.devices.cpu_replay import _Resolver
 from npugraph_runtime.errors import CaptureError
 from npugraph_runtime.schema import overload_name
@@ -58,6 +58,14 @@ def _time(fn: Callable[[], object], clock: Callable[[], float], rounds: int, min
     return statistics.median(samples)
 
 
+def _kernel_name(step: Any, kind: Kind) -> str:
+    """The kind of step, or the candidate that names the kernel more closely (gather_rows is
+    an out= call of another op)."""
+    if kind is Kind.OUT_PUBLIC and step.candidates:
+        return preferred(step.candidates).label or kind.value
+    return kind.value
+
+
 def audit_kernels(
     graph: CpuGraph,
     *,
@@ -95,5 +103,6 @@ def audit_kernels(
 
         replay_s = _time(scope["one"], clock, rounds, min_sample_s)
         eager_s = _time(eager, clock, rounds, min_sample_s)
-        result.append(OpTiming(i, overload_name(step.func), kind.value, replay_s, eager_s))
+        result.append(OpTiming(i, overload_name(step.func), _kernel_name(step, kind), replay_s,
+                               eager_s))
     return result

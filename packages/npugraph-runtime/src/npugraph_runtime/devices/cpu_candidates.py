@@ -139,7 +139,34 @@ def _quietly(fn: Callable[[], object]) -> bool:
 
 
 # The order in which verified candidates are preferred, by label (see the module docstring).
-RULE = ("copy_into", "out_public", "out_overload", "binding", "op")
+RULE = ("copy_into", "gather_rows", "out_public", "out_overload", "binding", "op")
+
+
+def gathers_rows(func: Any, args: Sequence[Any]) -> bool:
+    """``func(*args)`` is ``x[idx]``: aten.index with one 1-D integer index, on dim 0."""
+    if overload_name(func) != "aten::index.Tensor" or len(args) != 2:
+        return False
+    indices = args[1]
+    if not isinstance(indices, list | tuple) or len(indices) != 1:
+        return False
+    idx = indices[0]
+    return (isinstance(idx, torch.Tensor) and idx.dim() == 1
+            and idx.dtype in (torch.int64, torch.int32) and isinstance(args[0], torch.Tensor)
+            and args[0].dim() >= 1)
+
+
+_index_out = torch.ops.aten.index.Tensor_out
+
+
+def gather_rows(x: torch.Tensor, indices: Sequence[torch.Tensor], *, out: torch.Tensor) -> None:
+    """``x[idx]`` into ``out`` as ``index_select`` (a copy per row, 2-3x faster on the CPU than
+    aten.index's per-element copy, the same values); an index ``index_select`` refuses (a negative
+    one, which ``x[idx]`` wraps, or one out of range, which ``x[idx]`` refuses too) is left to
+    aten.index, which writes every element of ``out`` again."""
+    try:
+        torch.index_select(x, 0, indices[0], out=out)
+    except (IndexError, RuntimeError):
+        _index_out(x, list(indices), out=out)
 
 
 @dataclass(frozen=True)

@@ -10,18 +10,23 @@ machine's load at capture:
 
 1. ``copy_into`` (ops whose result is a copy of one input: ``clone``, ``_to_copy``, ``copy``):
    ``out.copy_(input)``, one pass over the data, where ``clone.out`` clones and then copies;
-2. the public binding with ``out=`` (one kernel writing the recorded output, no allocation, the
+2. ``gather_rows`` (``x[idx]``, aten.index with one 1-D integer index on dim 0):
+   ``index_select`` into the recorded output, a copy per row where aten.index copies element
+   by element (2-3x faster here), aten.index itself for an index ``index_select`` refuses;
+3. the public binding with ``out=`` (one kernel writing the recorded output, no allocation, the
    shortest call path: Python's argument parser, not the schema's stack);
-3. the ``.out`` overload's operator handle (the same kernel by a longer call);
-4. the public binding computing a fresh result, copied into place (about 1 µs less per call
+4. the ``.out`` overload's operator handle (the same kernel by a longer call);
+5. the public binding computing a fresh result, copied into place (about 1 µs less per call
    than the op's handle);
-5. the op itself, copied into place: always available, the reference the others are checked
+6. the op itself, copied into place: always available, the reference the others are checked
    against.
 
 In-place ops are re-issued as a bound ``Tensor`` method when that verifies, else as the op itself.
 
+A decision is the first candidate in rule order that verifies; the later ones are not run.
 Decisions are kept per op and argument layout (``_DECIDED``): a later capture of the same
-signature verifies, on its own data, the candidates in rule order until one passes.
+signature verifies, on its own data, the decided candidate (and, should it fail there, the
+candidates in rule order until one passes).
 A ``DecisionJournal`` exports, as plain data, the decisions the captures of one thread used while
 it was open (what one cache entry's first call decided); ``seed_kernel_decisions`` imports them,
 possibly in another process.
@@ -55,6 +60,8 @@ from npugraph_runtime.devices.cpu_candidates import (
     Candidate,
     Kind,
     Outs,
+    gather_rows,
+    gathers_rows,
     out_overload,
     public_binding,
     single_tensor_returns,
@@ -150,7 +157,7 @@ def environment() -> dict[str, Any]:
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "matmul_precision": _matmul_precision(),
         "flush_denormal": _flush_denormal(),
-        "labels": "op binding copy_into out_public out_overload",  # this module's candidates
+        "labels": "op binding copy_into gather_rows out_public out_overload",  # this module's candidates
     }
 
 
@@ -174,7 +181,8 @@ def _flush_denormal() -> bool:
     return bool((tiny * 1.0).item() == 0.0)
 
 
-def _possible(func: Any, op: Callable[..., Any], outs: Outs, copy_only: bool) -> list[Candidate]:
+def _possible(func: Any, op: Callable[..., Any], args: Sequence[Any], outs: Outs,
+              copy_only: bool) -> list[Candidate]:
     """Every way ``func`` could be re-issued, unverified; the op itself first."""
     possible = [Candidate(Kind.COPY, op, label="op")]
     binding = public_binding(func.namespace, _compat.op_base_name(func))
@@ -192,6 +200,8 @@ def _possible(func: Any, op: Callable[..., Any], outs: Outs, copy_only: bool) ->
     source = _COPY_SOURCE.get(overload_name(func))
     if source is not None and len(outs) == 1:
         possible.append(Candidate(Kind.COPY_INTO, itemgetter(source), label="copy_into"))
+    if len(outs) == 1 and gathers_rows(func, args):
+        possible.append(Candidate(Kind.OUT_PUBLIC, gather_rows, label="gather_rows"))
     if binding is not None:
         possible.append(Candidate(Kind.OUT_PUBLIC, binding, label="out_public"))
     overload = out_overload(func)
@@ -209,21 +219,25 @@ def _decide(
     func: Any, op: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], outs: Outs,
     copy_only: bool,
 ) -> Decision:
-    """Every candidate that verifies on this capture's data, in rule order."""
-    found = [c for c in _possible(func, op, outs, copy_only) if verified(c, args, kwargs, outs)]
-    return Decision(tuple(sorted(found, key=lambda c: c.rank)))
+    """The first candidate in rule order that verifies on this capture's data: the one the
+    replay issues. The later ones are not run: each check runs a kernel on the capture's data,
+    and a server's captures (a new size is a new signature) pay for every one."""
+    for c in sorted(_possible(func, op, args, outs, copy_only), key=lambda c: c.rank):
+        if verified(c, args, kwargs, outs):
+            return Decision((c,))
+    raise AssertionError("unreachable: the op itself needs no check")
 
 
 def _recheck(
-    decision: Decision, op: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any],
-    outs: Outs,
+    decision: Decision, func: Any, op: Callable[..., Any], args: Sequence[Any],
+    kwargs: dict[str, Any], outs: Outs, copy_only: bool,
 ) -> list[Candidate]:
-    """The first candidate of a known decision that verifies on this capture's data (the op
-    itself needs no check, so the result is never empty)."""
+    """The first candidate of a known decision that verifies on this capture's data; where none
+    does, the first in rule order that does (``_decide``)."""
     for c in decision.candidates:
         if verified(c, args, kwargs, outs):
             return [c]
-    return [Candidate(Kind.COPY, op, label="op")]
+    return list(_decide(func, op, args, kwargs, outs, copy_only).candidates)
 
 
 def out_candidates(
@@ -245,7 +259,7 @@ def out_candidates(
         DECISION_COUNTS["decided"] += 1
         return list(_decide(func, op, args, kwargs, outs, copy_only).candidates)
     if decision is None and _SEEDED:
-        decision = _from_seed(key, func, op, outs, copy_only)
+        decision = _from_seed(key, func, op, args, outs, copy_only)
     if decision is None:
         how = "decided"
         decision = _decide(func, op, args, kwargs, outs, copy_only)
@@ -258,7 +272,7 @@ def out_candidates(
     for journal in _OPEN.journals:
         journal.note(key, decision)
     if how == "rechecked":
-        return _recheck(decision, op, args, kwargs, outs)
+        return _recheck(decision, func, op, args, kwargs, outs, copy_only)
     return list(decision.candidates)
 
 
@@ -267,18 +281,18 @@ def _record(decision: Decision) -> dict[str, Any]:
 
 
 def _from_seed(
-    key: Any, func: Any, op: Callable[..., Any], outs: Outs, copy_only: bool
+    key: Any, func: Any, op: Callable[..., Any], args: Sequence[Any], outs: Outs, copy_only: bool
 ) -> Decision | None:
     seeded = _SEEDED.pop(_key_text(key), None)
     if seeded is None:
         return None
     labels, threads = seeded
-    by_label = {c.label: c for c in _possible(func, op, outs, copy_only)}
+    by_label = {c.label: c for c in _possible(func, op, args, outs, copy_only)}
     if any(label not in by_label for label in labels):
         return None  # made by another torch or another version of this module: decide afresh
     candidates = [by_label[label] for label in labels]
-    if not any(c.call is op for c in candidates):
-        candidates.append(by_label["op"])
+    if not candidates:
+        return None
     # the thread count may have changed since the seed was taken: checked again here
     trusted = threads is not None and threads == torch.get_num_threads()
     decision = Decision(tuple(sorted(candidates, key=lambda c: c.rank)), trusted)
