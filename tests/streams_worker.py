@@ -8,7 +8,8 @@ stream before the module (its streams get other labels); ``plain``: the module o
 one stream object for both. ``torch-plain``, ``torch-same``: the same with ``torch.Stream`` /
 ``torch.Event`` (``TorchStreams``); ``torch-other-first``: the process first compiles a graph of
 its own on a torch stream; ``torch-swap``: the module's second stream becomes its first after
-three calls. Six calls with fresh inputs are compared with eager; the cache
+three calls; ``torch-global``: the second stream is a global (``SIDE``);
+``torch-global-swap``: that global becomes the module's first stream after three calls. Six calls with fresh inputs are compared with eager; the cache
 counters, the captures and the warnings are written as JSON."""
 
 from __future__ import annotations
@@ -46,16 +47,20 @@ class TwoStreams(torch.nn.Module):
         return y + x
 
 
+SIDE = torch.Stream("cpu")  # the second side stream as a global (modes torch-global*)
+
+
 class TorchStreams(torch.nn.Module):
     """The same two branches with torch's own streams and events (``torch.npu.Stream()`` /
     ``torch.cuda.Stream()`` on a device): ``main`` is only waited by, so it is the graph's own
     stream. torch cannot record a ``torch.Event`` eagerly on the CPU, so eager is ``reference``:
     the same ops without the stream calls, which cannot change values."""
 
-    def __init__(self, same: bool) -> None:
+    def __init__(self, same: bool, use_global: bool = False) -> None:
         super().__init__()
         self.up = torch.nn.Linear(16, 16)
         self.down = torch.nn.Linear(16, 16)
+        self.use_global = use_global
         self.main = torch.Stream("cpu")
         self.s0 = torch.Stream("cpu")
         self.s1 = self.s0 if same else torch.Stream("cpu")
@@ -63,14 +68,15 @@ class TorchStreams(torch.nn.Module):
         self.done = torch.Event("cpu")
 
     def step(self, x: torch.Tensor) -> torch.Tensor:
+        s1 = SIDE if self.use_global else self.s1
         self.s0.wait_stream(self.main)
         with self.s0:
             h = torch.relu(self.up(x))
         self.ready.record(self.s0)
-        self.ready.wait(self.s1)
-        with self.s1:
+        self.ready.wait(s1)
+        with s1:
             y = self.down(h) * 2
-        self.done.record(self.s1)
+        self.done.record(s1)
         self.done.wait(self.main)
         return y + x
 
@@ -99,7 +105,8 @@ def main(cache_dir: str, out: str, mode: str) -> None:
     torch.manual_seed(0)
     same = mode in ("same", "torch-same")
     model: TwoStreams | TorchStreams = (
-        TorchStreams(same) if mode.startswith("torch") else TwoStreams(same)).eval()
+        TorchStreams(same, mode.startswith("torch-global")) if mode.startswith("torch")
+        else TwoStreams(same)).eval()
     eager = model.reference if isinstance(model, TorchStreams) else model.step
     fn = cache_compile(model.step, cache_dir=cache_dir)
     error = 0.0
@@ -108,6 +115,8 @@ def main(cache_dir: str, out: str, mode: str) -> None:
         for i in range(6):
             if mode == "torch-swap" and i == 3:  # one stream object for both, in this process
                 model.s1 = model.s0
+            if mode == "torch-global-swap" and i == 3:  # the global stream is the module's s0
+                globals()["SIDE"] = model.s0
             x = torch.randn(8, 16)
             with torch.no_grad():
                 want = eager(x)

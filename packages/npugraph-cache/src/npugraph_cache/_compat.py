@@ -499,7 +499,7 @@ def traced_here() -> bool:
 # --- a torch.Stream / torch.Event the traced code read (see dropped_guard: "torch stream") ----
 def _held_stream(entry: Any) -> bool:
     """A TYPE_MATCH on a torch.Stream or torch.Event (torch.cuda's / torch.npu's too: they
-    subclass them). Checked on torch 2.13.0: dynamo guards such an object with a TYPE_MATCH only
+    subclass them on a build with that device). Checked on torch 2.13.0: dynamo guards such an object with a TYPE_MATCH only
     (``VariableBuilder``: the graph fetches the live object by index on every call), and the
     guard save pickles a Stream as ``_Missing("unsupported")`` (``_get_unsupported_types``),
     so the loaded tree's TYPE_MATCH fails on every call, and an Event not at all (TypeError)."""
