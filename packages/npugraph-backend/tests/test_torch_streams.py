@@ -6,6 +6,9 @@ same computation without the stream calls, which cannot change values."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -288,3 +291,43 @@ def test_a_compiled_wait_on_an_accelerator_event_never_recorded_in_the_graph_bec
         torch.testing.assert_close(compiled(x), x * 2)
         assert log == ["wait"] * (i + 1)
     assert counter("captured_") == 1
+
+
+_LABELS_OF_A_NEW_PROCESS = """
+import torch
+from npugraph_backend.torch_streams import rewrite_torch_streams
+from npugraph_runtime.scope_keys import USER_STREAM_LABEL
+
+side = torch.Stream("cpu")
+labels = []
+
+def keep_labels(gm, example_inputs):
+    rewrite_torch_streams(gm)
+    labels.extend(n.args[1][0] for n in gm.graph.nodes
+                  if n.target is torch.ops.npugraph_ex.scope_enter.default
+                  and n.args[0] == [USER_STREAM_LABEL])
+    return gm.forward
+
+def fn(x):
+    with side:
+        y = x * 3
+    return y + 1
+
+torch.compile(fn, backend=keep_labels, fullgraph=True)(torch.randn(4))
+print(" ".join(labels))
+"""
+
+
+@needs_stream_ops
+def test_the_side_stream_labels_of_two_processes_graphs_differ() -> None:
+    # a graph saved by one process is lowered again by the one that loads it (cache_compile),
+    # where a label of the first process's graph must not name a stream of the second's graphs
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def labels() -> set[str]:
+        done = subprocess.run([sys.executable, "-c", _LABELS_OF_A_NEW_PROCESS], env=env,
+                              check=True, timeout=240, capture_output=True, text=True)
+        return set(done.stdout.split())
+
+    first, second = labels(), labels()
+    assert first and second and not first & second, (first, second)

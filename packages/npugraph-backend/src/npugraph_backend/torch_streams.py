@@ -9,7 +9,10 @@ and event objects. :func:`rewrite_torch_streams` rewrites both into what
 (``npugraph_passes.stream_scopes``) serves every stream API and every device:
 
 * a stream that is the current stream of its device when traced is the graph's own stream; every
-  other stream object becomes a side stream of this graph (labelled ``torch_stream_<graph>_<index>``).
+  other stream object becomes a side stream of this graph (labelled
+  ``torch_stream_<graph>_<process tag>_<index>``: a graph saved by one process is lowered again
+  by the process that loads it, where a label made of counters alone would name a stream that
+  process gave the same label, for a graph of its own).
   On CUDA/NPU the user's stream itself runs the side-stream ops. On the CPU torch has one stream
   (every ``torch.Stream("cpu")`` is it, and ``torch.Event`` cannot be recorded eagerly): a CPU
   stream object that some ``with`` block of the graph runs ops on becomes a logical side stream of
@@ -36,6 +39,7 @@ makes that a clear graph break (an error under ``fullgraph=True``) naming what t
 from __future__ import annotations
 
 import itertools
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +52,7 @@ from npugraph_runtime.scope_keys import USER_STREAM_LABEL
 from npugraph_backend import _compat
 
 _GRAPHS = itertools.count(1)
+_PROCESS_TAG = secrets.token_hex(4)  # see the module docstring: labels unique to the process
 _DROPPED = frozenset({"record_stream"})
 # node kinds that run ops (dynamo also annotates placeholders, which run nothing)
 _COMPUTE = frozenset({"call_function", "call_method", "call_module"})
@@ -96,7 +101,7 @@ class _Rewriter:
     def __init__(self, gm: torch.fx.GraphModule, with_streams: set[int]) -> None:
         self.graph = gm.graph
         self.with_streams = with_streams  # stream indices some node is annotated with
-        self.prefix = f"torch_stream_{next(_GRAPHS)}"
+        self.prefix = f"torch_stream_{next(_GRAPHS)}_{_PROCESS_TAG}"
         self.labels: dict[int, str | None] = {}
         self.tokens: dict[int, torch.fx.Node] = {}  # event index -> token of its last record
         self.open: str | None = None  # label of the annotation scope open before the next node

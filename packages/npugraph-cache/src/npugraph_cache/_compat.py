@@ -166,9 +166,16 @@ def dropped_guard(
     * ``stream label``: the value of a stream's label (``stream_labels``: the sources the
       guard filter found, see ``stream_label_sources``): a label names a stream of the graph, and
       its value differs in every process; npugraph_cache.guards checks on every call which of
-      the streams the code used are one stream (the aliasing pattern), the graph's meaning."""
+      the streams the code used are one stream (the aliasing pattern), the graph's meaning;
+    * ``torch stream``: the TYPE_MATCH on a ``torch.Stream`` / ``torch.Event`` object (the
+      sources in ``stream_labels`` as ``id(<source>)``, see ``torch_stream_guards``): torch
+      saves the object as a placeholder its loaded tree's type check never matches (and cannot
+      save an Event at all); npugraph_cache.guards checks its type and, with the labels, the
+      aliasing pattern on every call."""
     if entry.name in stream_labels:
         return "stream label"
+    if f"id({entry.name})" in stream_labels and _held_stream(entry):
+        return "torch stream"
     if guard_kind(entry) in UNSAVABLE_GUARDS:
         return "identity"
     if entry.name.startswith("G[") or (entry.guard_type == "TENSOR_MATCH" and entry.is_global):
@@ -192,6 +199,10 @@ def portable_guard_filter(
     labels = stream_label_sources(entries)
     if value_guards is not None and recorded is not None:
         for e in entries:
+            held = torch_stream_guards(e.name, e.value, value_guards) if _held_stream(e) else []
+            if held:
+                recorded.extend(held)
+                continue
             kind = STREAM_LABEL if e.name in labels else guard_kind(e)
             name, value = e.name, e.value if e.has_value else None
             if _local_type(e):
@@ -199,7 +210,7 @@ def portable_guard_filter(
             source = value_guards(kind, name, value)
             if source is not None:
                 recorded.append((kind, source))
-        # a label guard is dropped only where the aliasing check will see its stream
+        # a label (or torch stream) guard is dropped only where the aliasing check will see it
         labels = frozenset(n for k, n in recorded if k == STREAM_LABEL)
     else:
         labels = frozenset()
@@ -497,3 +508,28 @@ def traced_here() -> bool:
     backend) runs under a per-thread ``CompileContext``."""
     return torch.compiler.is_dynamo_compiling() or (
         torch.compiler.is_compiling() and torch._guards.CompileContext.try_get() is not None)
+
+
+# --- a torch.Stream / torch.Event the traced code read (see dropped_guard: "torch stream") ----
+def _held_stream(entry: Any) -> bool:
+    """A TYPE_MATCH on a torch.Stream or torch.Event (torch.cuda's / torch.npu's too: they
+    subclass them on a build with that device). Checked on torch 2.13.0: dynamo guards such an object with a TYPE_MATCH only
+    (``VariableBuilder``: the graph fetches the live object by index on every call), and the
+    guard save pickles a Stream as ``_Missing("unsupported")`` (``_get_unsupported_types``),
+    so the loaded tree's TYPE_MATCH fails on every call, and an Event not at all (TypeError)."""
+    return entry.guard_type == "TYPE_MATCH" and bool(entry.has_value) and isinstance(
+        entry.value, torch.Stream | torch.Event)
+
+
+def torch_stream_guards(
+    name: str, value: Any, value_guards: Callable[[str, str, Any], str | None]
+) -> list[tuple[str, str]]:
+    """What replaces the TYPE_MATCH on a torch stream or event at ``name``: its type (a
+    CLASS_MATCH on ``type(<name>)``) and its identity as a stream label (``id(<name>)``, in the
+    aliasing pattern: which of the streams and events the code used are one object, as dynamo
+    gives one index to one object). Both or neither (the guard is then kept)."""
+    kept = [(kind, value_guards(kind, source, v)) for kind, source, v in (
+        ("CLASS_MATCH", f"type({name})", type(value)), (STREAM_LABEL, f"id({name})", id(value)))]
+    if any(source is None for _, source in kept):
+        return []
+    return [(kind, source) for kind, source in kept if source is not None]

@@ -12,7 +12,8 @@ function; ``repr`` otherwise):
   every call against the live objects;
 * the modules' ``training`` flags and hooks dicts, checked on every call (the hooks only after a
   hook was registered anywhere in the process);
-* stream labels, checked on every call as their aliasing pattern (``aliasing``);
+* stream labels, and the torch streams and events the code read (their type, and their
+  identity as a label), checked on every call as their aliasing pattern (``aliasing``);
 * the value guards on the module and the arguments torch keeps too, recorded for the check before
   an entry is unpickled (a warning naming the value, another variant or a recompile) and after
   its first call; torch's tree checks them on every call, module attributes changed in a running
@@ -363,7 +364,7 @@ def aliasing(*labels: Any) -> tuple[int, ...]:
 
 
 def _aliasing_changed(source: str, got: Any, want: Any) -> str:
-    names = [n.strip().rsplit(".", 1)[0] for n in source[len(_ALIASING) + 1:-1].split(",")]
+    names = [_stream_name(n.strip()) for n in source[len(_ALIASING) + 1:-1].split(",")]
 
     def groups(desc: Any) -> str:
         pattern = [d[1] for d in desc[1]]
@@ -373,6 +374,14 @@ def _aliasing_changed(source: str, got: Any, want: Any) -> str:
 
     return (f"the streams the code used are {groups(got)}, were {groups(want)} when compiled "
             "([a = b]: one stream)")
+
+
+def _stream_name(label: str) -> str:
+    """The stream's source in an aliasing label: ``self.s0.label`` (an object with
+    ``__graph_stream_label__``) or ``id(self.s0)`` (a torch stream or event)."""
+    if label.startswith("id(") and label.endswith(")"):
+        return label[3:-1]
+    return label.rsplit(".", 1)[0]
 
 
 _MODE = ".training"
