@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+from npugraph_runtime import GraphedCallable
 
 from npugraph_backend.padding_plan import PaddedInput, PaddingPlan
 
@@ -54,8 +55,8 @@ class _Padded:
                 self.parts.append((rows, edge))
 
     def fill(self, x: torch.Tensor, spec: PaddedInput) -> torch.Tensor:
-        for dim, rows in self.cut:
-            x = x.narrow(dim, 0, rows)
+        for dim, size in self.cut:
+            x = x.narrow(dim, 0, size)
         self.region.copy_(x)
         if spec.pad is None:
             for rows, edge in self.parts:
@@ -79,7 +80,7 @@ def _real(x: torch.Tensor, dims: Sequence[tuple[int, int, int]], real: Sequence[
 class PaddedCall:
     """``fn(*args)`` with every padded size rounded up to the next capture size."""
 
-    def __init__(self, fn: Callable[..., Any], plan: PaddingPlan) -> None:
+    def __init__(self, fn: GraphedCallable, plan: PaddingPlan) -> None:
         self.fn = fn
         self.plan = plan
         self._sizes = list(plan.sizes)
@@ -108,7 +109,7 @@ class PaddedCall:
             return self.fn(*args)
         plan = self.plan
         padded, views = self._padded(real, target, args)
-        outs = self.fn(*padded)
+        outs: Any = self.fn(*padded)  # the graph's outputs, a sequence
         for spec, view in zip(plan.inputs, views, strict=True):
             if spec.mutated:
                 args[spec.slot].copy_(view.region)
