@@ -1094,9 +1094,12 @@ def test_capture_ahead_captures_nothing_where_calls_run_eagerly() -> None:
                                       force_eager=True)
     assert not eager.capture_ahead(*args) and eager.num_captures == 0
     limited = ngr.make_graphed_callable(_accumulating_step, args, mutated_argnums=(2, 3),
-                                        capture_limit=1)
+                                        capture_limit=2)
     assert limited.capture_ahead(*args)
+    # the last capture the limit allows is left for a call: taken ahead, that call would fall back
     assert not limited.capture_ahead(torch.randn(4, 4), torch.arange(4), *args[2:])
-    assert limited.num_captures == 1 and not limited.fell_back
+    assert limited.num_captures == 1
+    limited(torch.randn(2, 4), torch.arange(2), *args[2:])
+    assert limited.num_captures == 2 and not limited.fell_back
     with pytest.raises(PolicyError, match="capture_ahead was called with 2 arguments"):
         limited.capture_ahead(*args[:2])

@@ -273,8 +273,9 @@ class CaptureSet:
         sees: every warmup run is undone, the capture's own writes are undone (where it
         computes, the CPU) or never run (an accelerator records without running), it launches
         no collective, and nothing is returned or replayed. False, capturing nothing, when the
-        key has a capture already, the callable runs eagerly (a fallback, force_eager,
-        capture_limit reached) or the call needs autograd. A later call of the key with the
+        key has a capture already, the callable runs eagerly (a fallback, force_eager), the call
+        needs autograd, or only one capture is left below capture_limit: that one is a call's,
+        so that a capture ahead never makes a call fall back to eager. A later call of the key with the
         same static and mutated addresses replays it.
 
         What it is for: captures that share a pool made largest first, so that each smaller one
@@ -290,8 +291,8 @@ class CaptureSet:
                     or (key and key[-1] is NEEDS_GRAD) or _needs_grad(args)):
                 return False
             self._release_orphans()
-            if self._total >= self._policy.capture_limit:
-                return False
+            if self._total + 1 >= self._policy.capture_limit:
+                return False  # the last capture capture_limit allows is left for a call
             self._check_kinds(args)
             self._slots.watch_buffers(args)
             device = self._device_for(args)
