@@ -109,11 +109,12 @@ def test_bench_quick_section_k_padded_decode_equals_eager_with_bounded_captures(
     tmp_path: Path,
 ) -> None:
     """Bench (k): the continuous-batching loop under capture_sizes: real rows equal eager, no
-    eager fallback, at most two captures per capture size used; without capture_sizes, more."""
+    eager fallback, at most two captures per capture size (each is captured ahead, used or
+    not); without capture_sizes, more."""
     section = _quick_bench(tmp_path, "k")["sections"]["k"]
     assert section["error"] == ""
     data = section["data"]
     ours = data["results"]["ours"]
     assert ours["max_error"] <= 1e-5 and data["fallbacks"] == 0
-    assert 0 < data["captures"] <= 2 * len(data["sizes_used"])
+    assert 0 < data["captures"] <= 2 * len(data["capture_sizes"])
     assert data["results"]["ours, capture_sizes=None"]["captures"] > data["captures"]

@@ -5,6 +5,8 @@ the compile is refused with the op, the input and the user's source line."""
 from __future__ import annotations
 
 import copy
+import logging
+import re
 from collections.abc import Callable
 
 import pytest
@@ -139,7 +141,9 @@ def test_sizes_above_the_largest_run_unpadded(counter: Callable[[str], int]) -> 
     eager = copy.deepcopy(model)
     compiled = _compiled(model, capture_sizes=[2, 4], pad_values={"slots": SCRATCH})
     _decode(compiled, eager, model, [3, 6, 9, 6, 3])
-    assert counter("capture_due_to_new_key") == 3  # 4, then 6 and 9 as themselves
+    # 4 (the call's), 2 ahead of any call of it, then 6 and 9 as themselves
+    assert counter("capture_due_to_new_key") == 4
+    assert counter("capture_ahead") == 1
 
 
 def test_auto_ladder(counter: Callable[[str], int]) -> None:
@@ -148,7 +152,8 @@ def test_auto_ladder(counter: Callable[[str], int]) -> None:
     eager = copy.deepcopy(model)
     compiled = _compiled(model, capture_sizes="auto", pad_values={"slots": SCRATCH})
     _decode(compiled, eager, model, [5, 7, 6, 9, 11])
-    assert counter("capture_due_to_new_key") == 2  # 8 and 12
+    assert counter("capture_due_to_new_key") == 2  # 8 and 12: the ladder is captured lazily
+    assert counter("capture_ahead") == 0
 
 
 def test_mutated_input_with_the_padded_dim_gets_its_real_rows_back(
@@ -345,3 +350,55 @@ def test_cache_compile_pads_cold_and_warm(tmp_path: object, counter: Callable[[s
         _decode(compiled, eager, model, [3, 5, 6, 7, 9])
         assert counter("capture_due_to_new_key") - before == 3, start  # 4, 8 and 16
         assert model.kc[:, SCRATCH].abs().sum() > 0, start
+
+
+class CountingDecoder(nn.Module):
+    """A decode step whose state updates are not idempotent: a step counter, and KV rows
+    accumulated into (a second run of the step would show in both)."""
+
+    def __init__(self, hidden: int = 16, slots: int = 64, positions: int = 16) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, hidden)
+        self.proj = nn.Linear(hidden, hidden)
+        self.register_buffer("step", torch.zeros(()))
+        self.register_buffer("kc", torch.zeros(slots, positions, hidden))
+
+    def forward(self, tokens: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        self.step += 1
+        k = self.proj(self.emb(tokens))
+        self.kc.index_put_((slots, pos), k, accumulate=True)
+        return k * self.step + self.kc[slots].sum(1)
+
+
+def _captured_sizes(records: list[logging.LogRecord]) -> list[int]:
+    """The batch of each capture, in the order they were made (from the runtime's log line)."""
+    return [int(re.search(r"graph key \((\d+),", r.getMessage()).group(1))  # type: ignore[union-attr]
+            for r in records if "captured graph key" in r.getMessage()]
+
+
+def test_declared_sizes_are_captured_largest_first_without_changing_state(
+        counter: Callable[[str], int], caplog: pytest.LogCaptureFixture) -> None:
+    """The first padded call captures every declared size, largest first (one pool holds them
+    all: each smaller capture reuses what the larger ones freed); the sizes it does not need
+    are captured ahead with no effect, so the model's state ends as eager's after that call,
+    and every later call of any size replays."""
+    model = CountingDecoder()
+    eager = copy.deepcopy(model)
+    compiled = _compiled(model, capture_sizes=[2, 4, 8, 16], pad_values={"slots": SCRATCH})
+    gen = torch.Generator().manual_seed(3)
+    caplog.set_level(logging.INFO, logger="npugraph_ex")
+    with torch.no_grad():
+        for n, size in enumerate([5, 3, 16, 2, 9, 8, 7, 4, 12, 6]):
+            args = _batch(size, gen)
+            out = compiled(*args)
+            torch.testing.assert_close(out, eager(*args), rtol=1e-5, atol=1e-5)
+            assert torch.equal(model.step, eager.step)  # each call stepped it once
+            torch.testing.assert_close(model.kc[:SCRATCH], eager.kc[:SCRATCH],
+                                       rtol=1e-5, atol=1e-5)
+            if n == 0:
+                assert _captured_sizes(caplog.records) == [16, 8, 4, 2]
+                made = counter("captured_")
+    assert made == 4 and counter("captured_") == 4  # nothing captured after the first call
+    assert counter("capture_ahead") == 3 and counter("capture_due_to_new_key") == 4
+    assert counter("fallback") == 0
+    assert model.kc[SCRATCH].abs().sum() > 0  # rows were padded (into the scratch slot)

@@ -1053,3 +1053,53 @@ def test_requests_with_their_own_caches_served_in_turn_replay_their_own_captures
     torch.testing.assert_close(fresh, fresh_ref)
     assert fn.num_captures == 3
     assert dropped() is None
+
+
+def _accumulating_step(x: torch.Tensor, idx: torch.Tensor, calls: torch.Tensor,
+                       kv: torch.Tensor) -> torch.Tensor:
+    # neither write is idempotent: a run that was not undone shows in both
+    calls.add_(1)
+    kv.index_add_(0, idx, x)
+    return x * calls + kv[idx]
+
+
+@pytest.mark.parametrize("warmup", [0, 1, 3])
+def test_capture_ahead_changes_no_state_and_later_calls_replay(
+        warmup: int, assert_same: AssertSame) -> None:
+    calls, kv = torch.zeros(1), torch.randn(16, 4)
+    eager_calls, eager_kv = calls.clone(), kv.clone()
+    args = (torch.randn(8, 4), torch.arange(8), calls, kv)
+    fn = ngr.make_graphed_callable(_accumulating_step, args, mutated_argnums=(2, 3),
+                                   warmup=warmup)
+    before = counters()
+    for rows in (8, 4):  # largest first, as capture_sizes makes them
+        assert fn.capture_ahead(torch.randn(rows, 4), torch.arange(rows), calls, kv)
+        assert torch.equal(calls, eager_calls) and torch.equal(kv, eager_kv)
+    assert not fn.capture_ahead(torch.randn(4, 4), torch.arange(4), calls, kv)  # has one
+    assert fn.num_captures == 2 and [e.reason for e in fn.events] == ["new_key"] * 2
+    made = {k: v - before.get(k, 0) for k, v in counters().items()}
+    assert made.get(f"capture_ahead_{fn.name}") == 2
+    assert made.get(f"capture_due_to_new_key_{fn.name}") == 2
+    for rows in (4, 8, 8, 4, 8):  # every later call of either size replays, equal to eager
+        x, idx = torch.randn(rows, 4), torch.randperm(16)[:rows]
+        want = _accumulating_step(x, idx, eager_calls, eager_kv)
+        assert_same(fn(x, idx, calls, kv), want)
+        assert torch.equal(calls, eager_calls) and torch.equal(kv, eager_kv)
+    assert fn.num_captures == 2 and len(fn.events) == 2
+
+
+def test_capture_ahead_captures_nothing_where_calls_run_eagerly() -> None:
+    args = (torch.randn(8, 4), torch.arange(8), torch.zeros(1), torch.randn(16, 4))
+    eager = ngr.make_graphed_callable(_accumulating_step, args, mutated_argnums=(2, 3),
+                                      force_eager=True)
+    assert not eager.capture_ahead(*args) and eager.num_captures == 0
+    limited = ngr.make_graphed_callable(_accumulating_step, args, mutated_argnums=(2, 3),
+                                        capture_limit=2)
+    assert limited.capture_ahead(*args)
+    # the last capture the limit allows is left for a call: taken ahead, that call would fall back
+    assert not limited.capture_ahead(torch.randn(4, 4), torch.arange(4), *args[2:])
+    assert limited.num_captures == 1
+    limited(torch.randn(2, 4), torch.arange(2), *args[2:])
+    assert limited.num_captures == 2 and not limited.fell_back
+    with pytest.raises(PolicyError, match="capture_ahead was called with 2 arguments"):
+        limited.capture_ahead(*args[:2])

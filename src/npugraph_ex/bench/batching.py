@@ -5,8 +5,9 @@ position, written with ``kc[layer].index_put_((slots, pos), k)`` and read throug
 a position mask. 300 steps with 1..48 live requests, the same schedule for every compiler,
 compiled with dynamic=True; ours with ``capture_sizes`` and the scratch slot as ``pad_values``.
 The schedule runs in rounds, compilers interleaved (a machine whose load changes slows all
-alike); round 1 (after one compiling call per graph) is the total with every capture, the later
-rounds give the steady step. Then a fixed batch of 16 requests, timed interleaved, and that batch
+alike); round 1 (after one compiling call per graph) is the total with every capture the loop
+meets, the later rounds give the steady step. Ours captures its declared sizes ahead, largest
+first, on the first call that needs one, the compiling call here: the start-up figure holds them. Then a fixed batch of 16 requests, timed interleaved, and that batch
 with the position as a Python int (one per step) instead of a tensor: an int that only feeds
 values is a graph input, so a new value is a replay, not a capture.
 
@@ -136,9 +137,9 @@ def _fallbacks(since: dict[str, int]) -> int:
                if k.startswith(("eager_fallback_due_to_", "eager_call_due_to_")))
 
 
-def _captures(since: dict[str, int]) -> int:
+def _captures(since: dict[str, int], prefix: str = "captured_") -> int:
     counts = dynamo_counters().get("npugraph_ex", {})
-    return sum(int(v) - since.get(k, 0) for k, v in counts.items() if k.startswith("captured_"))
+    return sum(int(v) - since.get(k, 0) for k, v in counts.items() if k.startswith(prefix))
 
 
 def _compile(name: str, model: Decoder, fn: Callable[..., Any], budget: float,
@@ -204,10 +205,11 @@ def run(ctx: BenchContext) -> Section:
         model = Decoder().to(ctx.device).eval()
         model.load_state_dict(base.state_dict())
         try:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), clock()
             compiled[name] = _compile(name, model, _forward, ctx.inductor_budget_s,
                                       options if name == OURS else None, warm)
-            facts[name] = {"compile_s": time.perf_counter() - start}
+            facts[name] = {"compile_s": time.perf_counter() - start,
+                           "startup_ms": (clock() - cpu) * 1e3}
             models[name] = model
         except Exception as exc:
             why = (f"compile would take over {ctx.inductor_budget_s:.0f} s"
@@ -223,6 +225,7 @@ def run(ctx: BenchContext) -> Section:
             per_round[name].append(times)
             errors[name] = max(errors[name], err)
     captures = _captures(since)  # the warm-up calls' captures included
+    ahead = _captures(since, "capture_ahead")
     fallbacks = _fallbacks(since)
     for name in compiled:
         steady = [t for times in per_round[name][1:] for t in times]
@@ -245,15 +248,23 @@ def run(ctx: BenchContext) -> Section:
                          "abs", "<= 1e-5", ours["max_error"] <= 1e-5),
             Figure.check(f"{label}: ours eager fallbacks", float(fallbacks), "calls", "0",
                          fallbacks == 0),
-            Figure.check(f"{label}: ours captures ({len(sizes_used)} capture sizes used)",
-                         float(captures), "captures", f"<= {2 * len(sizes_used)}",
-                         captures <= 2 * len(sizes_used)),
+            # every declared size is captured (ahead, on the first call that needs one)
+            Figure.check(f"{label}: ours captures ({len(CAPTURE_SIZES)} capture sizes, "
+                         f"{len(sizes_used)} used)", float(captures), "captures",
+                         f"<= {2 * len(CAPTURE_SIZES)}", captures <= 2 * len(CAPTURE_SIZES)),
             Figure.check(f"{label}: ours / eager, median steady step",
                          ours["median_step_ms"] / eager["median_step_ms"], "x", "<= 0.9",
                          ours["median_step_ms"] <= 0.9 * eager["median_step_ms"]),
-            Figure.check(f"{label}: ours / eager, total incl. captures",
+            Figure.check(f"{label}: ours / eager, total incl. captures met in the loop",
                          ours["total_ms"] / eager["total_ms"], "x", "<= 1.0",
                          ours["total_ms"] <= eager["total_ms"]),
+            # the declared sizes are captured on the first call that needs one, largest first:
+            # with the bench's compiling calls, before the loop; their cost shows here
+            Figure(f"{label}: start-up (compile and the compiling calls, {ahead} captures "
+                   f"ahead among them): ours {ours['startup_ms']:.0f} ms, eager "
+                   f"{eager['startup_ms']:.0f} ms; ours / eager, start-up + total",
+                   (ours["startup_ms"] + ours["total_ms"])
+                   / (eager["startup_ms"] + eager["total_ms"]), "x"),
         ]
         if "median_step_ms" in inductor:
             sec.figures.append(Figure.check(
@@ -399,11 +410,14 @@ def _fixed(ctx: BenchContext, sec: Section, base: Decoder, options: dict[str, An
                 break
     total = clock() - start
     caps, falls = _captures(since), _fallbacks(since)
+    ahead = _captures(since, "capture_ahead")  # the other declared sizes, not the int's values
     graphs = len({k.rsplit("_graph_", 1)[-1] for k in dynamo_counters().get("npugraph_ex", {})
                   if k.startswith("captured_") and k not in since})
-    facts["position_int"] = {"values": values, "captures": caps, "fallbacks": falls,
-                             "graphs": graphs, "total_ms": total * 1e3, "failed": failed}
+    facts["position_int"] = {"values": values, "captures": caps, "captured_ahead": ahead,
+                             "fallbacks": falls, "graphs": graphs, "total_ms": total * 1e3,
+                             "failed": failed}
     sec.figures.append(Figure(
-        f"fixed {FIXED}, position as a Python int ({values} values): {graphs} graphs, {caps} "
-        f"captures, {falls} eager calls{failed}", float(caps), "captures",
+        f"fixed {FIXED}, position as a Python int ({values} values): {graphs} graphs, "
+        f"{caps - ahead} captures (and {ahead} other capture sizes captured ahead), {falls} "
+        f"eager calls{failed}", float(caps - ahead), "captures",
         note="target once ints are graph inputs: 1 graph, <= 2 captures"))

@@ -183,7 +183,7 @@ class CompiledGraph:
             )
             fn = self.runner
             if self.padding is not None:
-                fn = PaddedCall(fn, self.padding)
+                fn = PaddedCall(self.runner, self.padding)
             if debug is not None:
                 from npugraph_backend.dfx import debug as debug_dumps
 

@@ -14,6 +14,7 @@ input and the user's source line; the result is a plain, picklable ``PaddingPlan
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -529,6 +530,8 @@ def plan_for(
     sizes = resolved_capture_sizes(config)
     assert sizes is not None
     plan = plan_padding(gm, specs.inputs, specs.outputs, sizes, config.pad_values, names)
+    if plan is not None and config.capture_sizes != "auto":
+        plan = dataclasses.replace(plan, ahead=True)
     if plan is None:
         if names is not None and names.dynamic_off:
             raise OptionError(

@@ -30,6 +30,9 @@ class PaddingPlan:
     inputs: tuple[PaddedInput, ...]
     int_slots: tuple[tuple[int, int], ...]  # (slot, symbol index) of int inputs equal to a symbol
     outputs: tuple[tuple[tuple[int, int, int], ...], ...]  # per output: (dim, symbol, factor)
+    # capture every size on the first call that needs one, largest first (declared sizes; not
+    # "auto", whose ladder to 256 is more than most servers meet)
+    ahead: bool = False
 
 
 @dataclass(frozen=True)

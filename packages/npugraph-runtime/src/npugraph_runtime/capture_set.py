@@ -48,7 +48,7 @@ from npugraph_runtime.devices.base import PoolHandle
 from npugraph_runtime.errors import CaptureError, PolicyError
 from npugraph_runtime.graphs import as_pool_handle, graph_pool_handle
 from npugraph_runtime.inputs import storage_ptr
-from npugraph_runtime.keys import Args, Key, key_function
+from npugraph_runtime.keys import NEEDS_GRAD, Args, Key, key_function
 from npugraph_runtime.ledger import (
     OutputLedger,
     ledger_for,
@@ -253,6 +253,63 @@ class CaptureSet:
             result = _NO_RESULT
         else:
             result = self._warm_up(args) if reason == NEW_KEY else _NO_RESULT
+        cap = self._record(key, args, reason, device, as_call, replacing, new_tensor)
+        if as_call:
+            # the capture's run was this call: its writes stay, its outputs are returned cloned
+            assert cap.plan is not None
+            return cap.plan.own(args)
+        if result is not _NO_RESULT:
+            # the warmup's result is the call's, as a replay's would be
+            self._ledger_of(device).note_returned([result])
+            return result
+        result = cap.replay(args)
+        if result is MISS:
+            raise CaptureError(f"internal: {self.name}'s fresh capture of key {key} refused its call")
+        cap.replayed[0] = False  # that replay was this call's own
+        return result
+
+    def capture_ahead(self, *args: object) -> bool:
+        """Capture the graph key of ``args`` now, for a later call, with no effect the caller
+        sees: every warmup run is undone, the capture's own writes are undone (where it
+        computes, the CPU) or never run (an accelerator records without running), it launches
+        no collective, and nothing is returned or replayed. False, capturing nothing, when the
+        key has a capture already, the callable runs eagerly (a fallback, force_eager), the call
+        needs autograd, or only one capture is left below capture_limit: that one is a call's,
+        so that a capture ahead never makes a call fall back to eager. A later call of the key with the
+        same static and mutated addresses replays it.
+
+        What it is for: captures that share a pool made largest first, so that each smaller one
+        reuses the blocks the larger ones freed (a caching allocator's graph pool keeps what a
+        capture took; made smallest first, the pool becomes their sum)."""
+        if len(args) != self._n:
+            raise PolicyError(
+                f"{self.name}.capture_ahead was called with {len(args)} arguments; its "
+                f"InputSpec has {self._n}")
+        key = () if self._key is None else self._key(args)
+        with self._lock:
+            if (key in self._runs or self.fell_back or self._policy.force_eager
+                    or (key and key[-1] is NEEDS_GRAD) or _needs_grad(args)):
+                return False
+            self._release_orphans()
+            if self._total + 1 >= self._policy.capture_limit:
+                return False  # the last capture capture_limit allows is left for a call
+            self._check_kinds(args)
+            self._slots.watch_buffers(args)
+            device = self._device_for(args)
+            runs = self._policy.warmup
+            if self._functional and runs > 0 and capture_runs_fn(device):
+                runs -= 1  # the capture's own run is the last warmup, as on a call (_capture)
+            undone_runs(self._fn, args, self._slots, runs)
+            self._record(key, args, NEW_KEY, device, False, None, False)
+            self._counters.count_ahead()
+            return True
+
+    def _record(
+        self, key: Key, args: Args, reason: str, device: torch.device, as_call: bool,
+        replacing: Capture | None, new_tensor: bool,
+    ) -> Capture:
+        """Record the capture of ``key`` and file it (beside the key's others, or in place of
+        ``replacing``), counted and logged; its run is the call's when ``as_call``."""
         statics = _distinct_tensors(args, self._slots.static)
         before = [(sys.getrefcount(args[i]), storage_uses(args[i]))  # type: ignore[arg-type]
                   for i in statics]
@@ -291,19 +348,7 @@ class CaptureSet:
         logger.info("%s: captured graph key %s (%s)", self.name, key, reason)
         if cap.watch is not None:
             cap.watch.settle()  # nothing outside the capture holds its outputs yet
-        if as_call:
-            # the capture's run was this call: its writes stay, its outputs are returned cloned
-            assert cap.plan is not None
-            return cap.plan.own(args)
-        if result is not _NO_RESULT:
-            # the warmup's result is the call's, as a replay's would be
-            self._ledger_of(device).note_returned([result])
-            return result
-        result = cap.replay(args)
-        if result is MISS:
-            raise CaptureError(f"internal: {self.name}'s fresh capture of key {key} refused its call")
-        cap.replayed[0] = False  # that replay was this call's own
-        return result
+        return cap
 
     def _warn_grad(self, args: Args) -> None:
         logger.info("%s: a call that needs autograd runs eagerly", self.name)

@@ -87,6 +87,8 @@ class CounterNames:
         self.released = f"released_orphaned_{name}"
         # inputs that came at a new address on every call, copied from then on
         self.copied = f"copied_inputs_{name}"
+        # captures made ahead of the call that needs them (capture_ahead), counted as new keys too
+        self.ahead = f"capture_ahead_{name}"
 
     def count_capture(self, reason: str, captured_now: int) -> None:
         if reason == NEW_KEY:
@@ -106,6 +108,9 @@ class CounterNames:
 
     def count_copied(self, inputs: int) -> None:
         _add(self.copied, inputs)
+
+    def count_ahead(self) -> None:
+        _add(self.ahead)
 
     def count_held_eager(self) -> None:
         _add(self.held_eager)
