@@ -56,3 +56,14 @@ def test_reset_removes_the_captured_counter() -> None:
     fn.reset()
     assert "captured_reset_me" not in npugraph_ex_counters()
     assert _zeros() == {}
+
+
+def test_capture_time_is_counted_per_capture_only() -> None:
+    _run("timed", calls=1)
+    counts = npugraph_ex_counters()
+    assert counts["captured_timed"] == 1
+    first = counts["capture_ms_timed"]
+    assert first >= 1  # at least 1 ms per capture: a capture that happened is never at 0
+    _run("timed_replays", calls=4)  # one capture, three replays: replays add no time
+    assert counts["capture_ms_timed"] == first
+    assert counts["captured_timed_replays"] == 1 and counts["capture_ms_timed_replays"] >= 1

@@ -7,7 +7,9 @@ compiled with dynamic=True; ours with ``capture_sizes`` and the scratch slot as 
 The schedule runs in rounds, compilers interleaved (a machine whose load changes slows all
 alike); round 1 (after one compiling call per graph) is the total with every capture the loop
 meets, the later rounds give the steady step. Ours captures its declared sizes ahead, largest
-first, on the first call that needs one, the compiling call here: the start-up figure holds them. Then a fixed batch of 16 requests, timed interleaved, and that batch
+first, on the first call that needs one, the compiling call here: the time those captures took
+(the runtime's ``capture_ms_`` counters) is added to the total. Then a fixed batch of 16
+requests, timed interleaved, and that batch
 with the position as a Python int (one per step) instead of a tensor: an int that only feeds
 values is a graph input, so a new value is a replay, not a capture.
 
@@ -205,11 +207,15 @@ def run(ctx: BenchContext) -> Section:
         model = Decoder().to(ctx.device).eval()
         model.load_state_dict(base.state_dict())
         try:
-            start, cpu = time.perf_counter(), clock()
+            start, cpu, before = time.perf_counter(), clock(), counter_snapshot()
             compiled[name] = _compile(name, model, _forward, ctx.inductor_budget_s,
                                       options if name == OURS else None, warm)
+            # the captures the compiling calls made (the declared sizes, ahead): part of the
+            # total, as if the loop had met them (the runtime's capture_ms_ counters, warm-ups
+            # included; wall time, which a loaded machine inflates: it counts against ours)
             facts[name] = {"compile_s": time.perf_counter() - start,
-                           "startup_ms": (clock() - cpu) * 1e3}
+                           "startup_ms": (clock() - cpu) * 1e3,
+                           "startup_capture_ms": float(_captures(before, "capture_ms_"))}
             models[name] = model
         except Exception as exc:
             why = (f"compile would take over {ctx.inductor_budget_s:.0f} s"
@@ -230,7 +236,7 @@ def run(ctx: BenchContext) -> Section:
     for name in compiled:
         steady = [t for times in per_round[name][1:] for t in times]
         facts[name].update(
-            total_ms=sum(per_round[name][0]) * 1e3,
+            total_ms=sum(per_round[name][0]) * 1e3 + facts[name]["startup_capture_ms"],
             median_step_ms=statistics.median(steady) * 1e3,
             max_error=errors[name],
         )
@@ -255,7 +261,8 @@ def run(ctx: BenchContext) -> Section:
             Figure.check(f"{label}: ours / eager, median steady step",
                          ours["median_step_ms"] / eager["median_step_ms"], "x", "<= 0.9",
                          ours["median_step_ms"] <= 0.9 * eager["median_step_ms"]),
-            Figure.check(f"{label}: ours / eager, total incl. captures met in the loop",
+            Figure.check(f"{label}: ours / eager, total incl. every capture "
+                         f"({ours['startup_capture_ms']:.0f} ms of captures before the loop)",
                          ours["total_ms"] / eager["total_ms"], "x", "<= 1.0",
                          ours["total_ms"] <= eager["total_ms"]),
             # the declared sizes are captured on the first call that needs one, largest first:
@@ -263,7 +270,7 @@ def run(ctx: BenchContext) -> Section:
             Figure(f"{label}: start-up (compile and the compiling calls, {ahead} captures "
                    f"ahead among them): ours {ours['startup_ms']:.0f} ms, eager "
                    f"{eager['startup_ms']:.0f} ms; ours / eager, start-up + total",
-                   (ours["startup_ms"] + ours["total_ms"])
+                   (ours["startup_ms"] + ours["total_ms"] - ours["startup_capture_ms"])
                    / (eager["startup_ms"] + eager["total_ms"]), "x"),
         ]
         if "median_step_ms" in inductor:

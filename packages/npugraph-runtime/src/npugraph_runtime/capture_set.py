@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -239,6 +240,7 @@ class CaptureSet:
             self._counters.count_grad_eager()
             return self._fn(*args)
         device = self._device_for(args)
+        start = time.perf_counter()
         # A recapture (held outputs, a new address; of any fn: its key was warmed up already) is
         # the call too, so that fn runs once in it. force_recapture keeps the replay, which is
         # what it shows; its capture then launches no collective (capture.record), as an
@@ -254,6 +256,7 @@ class CaptureSet:
         else:
             result = self._warm_up(args) if reason == NEW_KEY else _NO_RESULT
         cap = self._record(key, args, reason, device, as_call, replacing, new_tensor)
+        self._counters.count_capture_time(time.perf_counter() - start)
         if as_call:
             # the capture's run was this call: its writes stay, its outputs are returned cloned
             assert cap.plan is not None
@@ -296,11 +299,13 @@ class CaptureSet:
             self._check_kinds(args)
             self._slots.watch_buffers(args)
             device = self._device_for(args)
+            start = time.perf_counter()
             runs = self._policy.warmup
             if self._functional and runs > 0 and capture_runs_fn(device):
                 runs -= 1  # the capture's own run is the last warmup, as on a call (_capture)
             undone_runs(self._fn, args, self._slots, runs)
             self._record(key, args, NEW_KEY, device, False, None, False)
+            self._counters.count_capture_time(time.perf_counter() - start)
             self._counters.count_ahead()
             return True
 

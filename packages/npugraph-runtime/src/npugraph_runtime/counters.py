@@ -89,6 +89,8 @@ class CounterNames:
         self.copied = f"copied_inputs_{name}"
         # captures made ahead of the call that needs them (capture_ahead), counted as new keys too
         self.ahead = f"capture_ahead_{name}"
+        # milliseconds spent capturing, warm-up runs included (what a slow first step paid for)
+        self.capture_ms = f"capture_ms_{name}"
 
     def count_capture(self, reason: str, captured_now: int) -> None:
         if reason == NEW_KEY:
@@ -111,6 +113,9 @@ class CounterNames:
 
     def count_ahead(self) -> None:
         _add(self.ahead)
+
+    def count_capture_time(self, seconds: float) -> None:
+        _add(self.capture_ms, max(1, round(seconds * 1e3)))
 
     def count_held_eager(self) -> None:
         _add(self.held_eager)
