@@ -290,3 +290,28 @@ def test_a_global_naming_a_c_function_is_kept_a_librarys_own_function_is_not() -
     assert ValueGuards.kept("BUILTIN_MATCH", "G['ACT']", ("self",), torch.tanh) == "G['ACT']"
     assert ValueGuards.kept("BUILTIN_MATCH", "self.act", ("self",), F.gelu) == "self.act"
     assert ValueGuards.kept("BUILTIN_MATCH", "G['torch'].relu", ("self",), torch.relu) is None
+
+
+def _layers_sliding(layers: list[Any]) -> list[bool]:
+    # a comprehension (a nested code object before Python 3.12) and a frozenset constant: the
+    # shape of transformers' Cache.is_sliding, whose identity guard an entry of a model with a
+    # cache carries
+    return [getattr(layer, "kind", "") in {"sliding", "chunked"} for layer in layers]
+
+
+def test_a_function_is_described_alike_in_another_process() -> None:
+    # its description held the nested code object's address (and the frozenset's hash-seeded
+    # order): a warm process rejected every entry guarding such a function and recompiled
+    import os
+    import subprocess
+    import sys
+
+    from npugraph_cache.guards import describe
+
+    here = describe(_layers_sliding)
+    script = ("import sys; sys.path[:0] = sys.argv[1:]; import test_stale_entries as t; "
+              "from npugraph_cache.guards import describe; print(describe(t._layers_sliding)[3])")
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    there = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent), *sys.path],
+                           capture_output=True, text=True, env=env, timeout=120, check=True)
+    assert here[0] == "function" and there.stdout.strip() == here[3]  # the code's digest

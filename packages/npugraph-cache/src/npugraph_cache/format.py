@@ -24,8 +24,9 @@ from npugraph_cache.secret import tag, verify
 
 MAGIC = b"NGXCACHE"
 # 2: HMAC tag (version 1 had an unkeyed sha256 anyone could recompute); 3: every guard torch
-# can save is in the entry, the others recorded with the parameters they read (issue 24)
-FORMAT_VERSION = 3
+# can save is in the entry, the others recorded with the parameters they read (issue 24); 4: a
+# function's description digests nested code by content (code_digest), not by its address
+FORMAT_VERSION = 4
 _PREFIX = struct.Struct("<8sHIQ")
 _TAG = 32
 HEADER_SIZE = _PREFIX.size + _TAG

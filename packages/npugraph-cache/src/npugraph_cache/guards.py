@@ -32,11 +32,13 @@ import hashlib
 import operator
 import os
 import re
+import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from npugraph_cache import _compat, registrations
+from npugraph_cache.code_digest import code_digest
 from npugraph_cache.errors import FormatError
 
 # value guards torch keeps, recorded too for the check before an entry is unpickled (a warning
@@ -70,8 +72,7 @@ def describe(value: Any, depth: int = 0) -> Any:
     if callable(value) and isinstance(qualname, str):
         # the code too: two lambdas (or two closures of one factory) share a qualified name
         code = getattr(value, "__code__", None)
-        digest = "" if code is None else hashlib.sha256(
-            code.co_code + repr(code.co_consts).encode()).hexdigest()[:16]
+        digest = "" if not isinstance(code, types.CodeType) else code_digest(code)[:16]
         return ("function", str(getattr(value, "__module__", "")), qualname, digest)
     return ("repr", repr(value))
 

@@ -15,12 +15,14 @@ import inspect
 import json
 import platform
 import sys
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from npugraph_cache.__about__ import __version__
+from npugraph_cache.code_digest import code_digest
 from npugraph_cache.format import FORMAT_VERSION
 
 _MAX_DEPTH = 16
@@ -39,9 +41,9 @@ def source_digest(obj: Any) -> str:
         return _sha(inspect.getsource(target))
     except (OSError, TypeError):
         code = getattr(target, "__code__", None)
-        if code is None:
+        if not isinstance(code, types.CodeType):
             return _sha(repr(target))
-        return _sha(code.co_code + repr(code.co_consts).encode("utf-8"))
+        return code_digest(code)
 
 
 def stable_value(value: Any, depth: int = 0) -> Any:
