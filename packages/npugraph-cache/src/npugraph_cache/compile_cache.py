@@ -134,6 +134,8 @@ class _Entry:
     guards) and the compiled function, called with its guards on every call."""
 
     __slots__ = ("compiled", "guards_pass", "run", "signature", "training", "values_match")
+    compiled: Any
+    run: Callable[..., Any]
 
     def __init__(
         self, signature: tuple[Any, ...], compiled: Any,
@@ -146,8 +148,6 @@ class _Entry:
         self.training = training
         self.values_match = values_match
         self.guards_pass = guards_pass
-        self.compiled: Any = None
-        self.run: Callable[..., Any] = compiled
         self.replace(compiled)
 
     def replace(self, compiled: Any) -> None:

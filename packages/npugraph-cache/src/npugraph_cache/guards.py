@@ -185,6 +185,11 @@ class ValueGuards:
                          or kind == _ALIASING)
         return cls(params[0], tuple(sources), tuple(expected), tuple(params), tuple(every))
 
+    def _module_only(self, sources: Sequence[str]) -> bool:
+        """``sources`` read nothing but the module, ``G`` and builtins: a call need not bind its
+        frame to evaluate them."""
+        return all((_names(s) or set()) <= {"G", self.self_name, *_KNOWN} for s in sources)
+
     def to_json(self) -> dict[str, Any]:
         return {"self": self.self_name, "params": list(self.params),
                 "sources": list(self.sources), "expected": list(self.expected),
@@ -235,7 +240,7 @@ class ValueGuards:
         if not picked:
             return modes or _always
         sources = [self.sources[i] for i in picked]
-        module_only = all((_names(s) or set()) <= {"G", self.self_name, *_KNOWN} for s in sources)
+        module_only = self._module_only(sources)
         params = (self.self_name,) if module_only else self.params
         raw = _evaluator(params, sources, described=False)
         described = _evaluator(params, sources)
@@ -299,7 +304,7 @@ class ValueGuards:
         if not picked:
             return None
         sources = [self.sources[i] for i in picked]
-        module_only = all((_names(s) or set()) <= {"G", self.self_name, *_KNOWN} for s in sources)
+        module_only = self._module_only(sources)
         params = (self.self_name,) if module_only else self.params
         lengths = _evaluator(params, sources, described=False)
         empty = (0,) * len(sources)
