@@ -255,8 +255,7 @@ class CaptureSet:
             result = _NO_RESULT
         else:
             result = self._warm_up(args) if reason == NEW_KEY else _NO_RESULT
-        cap = self._record(key, args, reason, device, as_call, replacing, new_tensor)
-        self._counters.count_capture_time(time.perf_counter() - start)
+        cap = self._record(key, args, reason, device, as_call, replacing, new_tensor, start)
         if as_call:
             # the capture's run was this call: its writes stay, its outputs are returned cloned
             assert cap.plan is not None
@@ -304,17 +303,17 @@ class CaptureSet:
             if self._functional and runs > 0 and capture_runs_fn(device):
                 runs -= 1  # the capture's own run is the last warmup, as on a call (_capture)
             undone_runs(self._fn, args, self._slots, runs)
-            self._record(key, args, NEW_KEY, device, False, None, False)
-            self._counters.count_capture_time(time.perf_counter() - start)
+            self._record(key, args, NEW_KEY, device, False, None, False, start)
             self._counters.count_ahead()
             return True
 
     def _record(
         self, key: Key, args: Args, reason: str, device: torch.device, as_call: bool,
-        replacing: Capture | None, new_tensor: bool,
+        replacing: Capture | None, new_tensor: bool, started: float,
     ) -> Capture:
         """Record the capture of ``key`` and file it (beside the key's others, or in place of
-        ``replacing``), counted and logged; its run is the call's when ``as_call``."""
+        ``replacing``), counted and logged; its run is the call's when ``as_call``. ``started``:
+        when the capture's work began (its warm-up runs), for the capture-time counter."""
         statics = _distinct_tensors(args, self._slots.static)
         before = [(sys.getrefcount(args[i]), storage_uses(args[i]))  # type: ignore[arg-type]
                   for i in statics]
@@ -350,6 +349,7 @@ class CaptureSet:
             replacing.release()
         self.events.append(CaptureEvent(key, reason))
         self._counters.count_capture(reason, self._total)
+        self._counters.count_capture_time(time.perf_counter() - started)
         logger.info("%s: captured graph key %s (%s)", self.name, key, reason)
         if cap.watch is not None:
             cap.watch.settle()  # nothing outside the capture holds its outputs yet
