@@ -516,3 +516,29 @@ def dynamo_argument_names(gm: torch.fx.GraphModule) -> tuple[str, ...]:
         if isinstance(name, str) and name != "self":
             found.add(name)
     return tuple(sorted(found))
+
+
+# --- padding.py: captures ahead outside AOT's first-call analyzer ---------------------------------
+# torch._functorch._aot_autograd.runtime_wrappers._AnalyzeCustomOpInputOutputMode: the dispatch
+# mode AOT's runtime wrapper pushes over the first call of a compiled graph, to check that custom
+# ops do not alias their inputs; torch.utils._python_dispatch._get_current_dispatch_mode and
+# _pop_mode_temporarily. Checked on torch 2.13.0; fallback (a torch without that mode): nothing
+# to pause.
+def first_call_analyzer_paused() -> Any:
+    """A context in which AOT's first-call analyzer, when it is the innermost dispatch mode, is
+    off the mode stack. Its per-op Python work (a pytree flatten of every op's arguments) made a
+    CPU capture ahead ~30% slower; the call's own run is analyzed, and a capture ahead runs the
+    same graph on the same ops."""
+    import contextlib
+
+    from torch.utils import _python_dispatch as dispatch
+
+    try:
+        from torch._functorch._aot_autograd.runtime_wrappers import (
+            _AnalyzeCustomOpInputOutputMode as analyzer,
+        )
+    except ImportError:  # pragma: no cover - a torch without the analyzer
+        return contextlib.nullcontext()
+    if not isinstance(dispatch._get_current_dispatch_mode(), analyzer):
+        return contextlib.nullcontext()
+    return dispatch._pop_mode_temporarily()

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from npugraph_runtime import GraphedCallable
 
+from npugraph_backend._compat import first_call_analyzer_paused
 from npugraph_backend.padding_plan import PaddedInput, PaddingPlan
 
 # Dynamo specialises a size of 0 or 1: the dynamic graph never sees a batch below 2, so a
@@ -130,11 +131,13 @@ class PaddedCall:
                 return self._run(real, target, args)
             self._ahead = False
             sizes = [s for s in reversed(self._sizes) if s >= _SMALLEST]
-            for size in (s for s in sizes if s > target[0]):
-                self.fn.capture_ahead(*self._padded(real, [size], args)[0])
+            with first_call_analyzer_paused():
+                for size in (s for s in sizes if s > target[0]):
+                    self.fn.capture_ahead(*self._padded(real, [size], args)[0])
             out = self._run(real, target, args)
-            for size in (s for s in sizes if s < target[0]):
-                self.fn.capture_ahead(*self._padded(real, [size], args)[0])
+            with first_call_analyzer_paused():
+                for size in (s for s in sizes if s < target[0]):
+                    self.fn.capture_ahead(*self._padded(real, [size], args)[0])
             return out
 
     def _padded(self, real: list[int], target: list[int], args: Sequence[Any]
