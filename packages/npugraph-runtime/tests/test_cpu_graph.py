@@ -531,3 +531,50 @@ def test_host_read_in_relaxed_mode_warns_and_repeats_the_captured_value(assert_s
     x.copy_(torch.randn(6))
     g.replay()
     assert_same(out, x * first)
+
+
+def _indexed_writes(kv: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor,
+                    rows: torch.Tensor) -> torch.Tensor:
+    kv.index_put_((slots, pos), rows)  # slot 2, position 1 twice: a duplicate index
+    kv.index_put_((slots, pos), rows, accumulate=True)
+    torch.ops.aten.index_put_(kv, [None, pos], rows[None].expand(4, 3, 6).clone())
+    kv[1:3].index_put_((kv.new_tensor([True, False], dtype=torch.bool),), rows[:1, None, :])
+    kv.index_put_((slots % 2,), kv[slots % 2] * 0.5)  # indices made inside the capture
+    out = kv.sum(0)
+    kv.mul_(2.0)  # the whole buffer, after rows of it were written
+    kv.index_put_((slots, pos), -rows)  # rows, after the whole buffer was kept
+    return out
+
+
+def test_a_capture_undoes_its_indexed_writes_exactly() -> None:
+    """A capture whose run is not the call's leaves a pre-existing buffer as it found it, bit
+    for bit, whichever way it was written; the replays then write it as eager does."""
+    kv = torch.randn(4, 8, 6)
+    before = kv.clone()
+    slots, pos, rows = torch.tensor([2, 0, 2]), torch.tensor([1, 5, 1]), torch.randn(3, 6)
+    g, out = capture(_indexed_writes, kv, slots, pos, rows)
+    assert torch.equal(kv, before)
+    expected_kv = kv.clone()
+    for _ in range(3):
+        rows.copy_(torch.randn(3, 6))
+        expected = _indexed_writes(expected_kv, slots, pos, rows)
+        g.replay()
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        assert torch.equal(kv, expected_kv)
+
+
+def test_an_indexed_write_keeps_only_the_elements_it_overwrites() -> None:
+    """Undoing a few rows written into a large buffer copies those rows, not the buffer."""
+    from npugraph_runtime.devices.cpu_undo import UndoLog
+
+    kv = torch.zeros(64, 256, 32)
+    slots, pos, rows = torch.tensor([3, 9]), torch.tensor([7, 8]), torch.ones(2, 32)
+    log = UndoLog()
+    log.before_write(kv, torch.ops.aten.index_put_.default, (kv, [slots, pos], rows))
+    assert log.kept_bytes() == rows.nbytes
+    kv.index_put_((slots, pos), rows)
+    log.before_write(kv, torch.ops.aten.mul_.Tensor, (kv, 2.0))
+    assert log.kept_bytes() == rows.nbytes + kv.untyped_storage().nbytes()
+    kv.mul_(2.0)
+    log.undo()
+    assert not kv.any()

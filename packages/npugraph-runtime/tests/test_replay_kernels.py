@@ -15,7 +15,7 @@ import npugraph_runtime as ngr
 import pytest
 import torch
 import torch.nn.functional as F
-from npugraph_runtime._compat import npugraph_ex_counters
+from npugraph_runtime._compat import npugraph_ex_counters, op_entry
 from npugraph_runtime.devices import cpu_kernels
 from npugraph_runtime.devices.cpu_audit import audit_kernels
 from npugraph_runtime.devices.cpu_kernels import Kind
@@ -233,6 +233,67 @@ def test_an_inplace_unary_op_without_a_tensor_method_replays_through_its_binding
         assert torch.equal(out, fn(x))  # type: ignore[arg-type]
 
 
+def _inplace_writes(kv: torch.Tensor, x: torch.Tensor, slots: torch.Tensor,
+                    pos: torch.Tensor) -> torch.Tensor:
+    kv.index_put_((slots, pos), x)
+    y = x * 3.0
+    y.add_(x, alpha=2.0)
+    torch.ops.aten.add_.Scalar(y, 2)  # its method, y.add_(2), reaches add_.Tensor instead
+    return y
+
+
+def test_inplace_ops_replay_as_their_methods_where_the_method_is_the_op() -> None:
+    """An in-place op is re-issued as its Tensor method when calling the method dispatches to
+    this very overload with these arguments, found by dispatch (nothing runs, nothing of the
+    written tensor is copied); else as the op itself."""
+    kv, x = torch.zeros(6, 5, 4), torch.randn(3, 4)
+    slots, pos = torch.tensor([4, 1, 4]), torch.tensor([0, 2, 3])
+    g, out = _capture(_inplace_writes, kv, x, slots, pos)
+    (put,) = _callees(g, "aten.index_put_.default")
+    assert getattr(put, "__name__", None) == "index_put_" and getattr(put, "__self__", None) is kv
+    (add,) = _callees(g, "aten.add_.Tensor")
+    assert getattr(add, "__name__", None) == "add_"
+    assert _callees(g, "aten.add_.Scalar") == [op_entry(torch.ops.aten.add_.Scalar)]
+    expected_kv = kv.clone()
+    for _ in range(4):
+        x.copy_(torch.randn_like(x))
+        expected = _inplace_writes(expected_kv, x, slots, pos)
+        g.replay()  # type: ignore[attr-defined]
+        assert torch.equal(out, expected)  # type: ignore[arg-type]
+        assert torch.equal(kv, expected_kv)
+
+
+def test_the_kernel_checks_of_a_capture_share_scratch_memory_freed_at_its_end() -> None:
+    """Each check of a candidate writes scratch outputs: while a capture holds the arena they
+    are views of one block that grows to the largest check (no fresh pages per check),
+    disjoint within a check; the capture's end frees it."""
+    from npugraph_runtime.devices.cpu_scratch import (
+        arena_nbytes,
+        hold_scratch,
+        release_scratch,
+        scratch_for,
+    )
+
+    a, b = torch.randn(64, 33), torch.randn(7, 5).t()
+    hold_scratch()
+    try:
+        first = scratch_for([a, b])
+        again = scratch_for([b])
+        assert arena_nbytes() >= a.nbytes + b.nbytes
+    finally:
+        release_scratch()
+    assert first[0].untyped_storage().data_ptr() == again[0].untyped_storage().data_ptr()
+    assert first[1].data_ptr() >= first[0].data_ptr() + a.nbytes
+    assert first[1].stride() == b.stride() and torch.equal(first[1], -b)
+    assert arena_nbytes() == 0
+    outside = scratch_for([a])[0]
+    assert outside.untyped_storage().data_ptr() != first[0].untyped_storage().data_ptr()
+    g, y = _capture(lambda t: torch.mm(t, t.t()) * 2.0, a)  # checks out= kernels
+    assert arena_nbytes() == 0
+    g.replay()  # type: ignore[attr-defined]
+    assert torch.equal(y, torch.mm(a, a.t()) * 2.0)  # type: ignore[arg-type]
+
+
 def _namespace_and_name(op: str) -> tuple[str, str]:
     namespace, name = op.split("::")
     return namespace, name.split(".")[0]
@@ -315,7 +376,7 @@ def test_a_trusted_seed_of_this_environment_runs_no_candidate_again(fresh_decisi
     cpu_kernels._DECIDED.clear()
     assert cpu_kernels.seed_kernel_decisions(exported, trusted=True) == 3
     counts = _counts_of(_mm_tanh, torch.randn(4, 6))
-    assert counts == {"decided": 0, "rechecked": 0, "trusted": 3}
+    assert counts == {"decided": 0, "rechecked": 0, "trusted": 3, "reused": 0}
 
 
 @pytest.mark.parametrize("why", ["not vouched for", "other threads", "other torch build",
@@ -341,7 +402,7 @@ def test_a_seed_not_trusted_here_is_verified_on_the_capture_data(
         counts = _counts_of(_mm_tanh, torch.randn(4, 6))
     finally:
         torch.set_num_threads(threads)
-    assert counts == {"decided": 0, "rechecked": 3, "trusted": 0}
+    assert counts == {"decided": 0, "rechecked": 3, "trusted": 0, "reused": 0}
 
 
 def test_a_trusted_seed_for_another_signature_or_kernel_is_decided_afresh(
@@ -360,7 +421,31 @@ def test_a_trusted_seed_for_another_signature_or_kernel_is_decided_afresh(
     cpu_kernels._DECIDED.clear()
     cpu_kernels.seed_kernel_decisions({**exported, "decisions": decisions}, trusted=True)
     counts = _counts_of(_mm_tanh, torch.randn(4, 6))
-    assert counts == {"decided": 2, "rechecked": 0, "trusted": 1}
+    assert counts == {"decided": 2, "rechecked": 0, "trusted": 1, "reused": 0}
+
+
+def _two_layers(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    for _ in range(2):
+        x = torch.tanh(x @ w) * 2.0
+    return x
+
+
+def test_a_signature_is_verified_once_per_capture(fresh_decisions: object) -> None:
+    """A model's next layer (the same op signatures) takes what its capture verified for the
+    layer before; the next capture verifies them again, on its own data."""
+    x, w = torch.randn(4, 6), torch.randn(6, 6)
+    before = dict(cpu_kernels.DECISION_COUNTS)
+    g, out = _capture(_two_layers, x, w)
+    first = {k: cpu_kernels.DECISION_COUNTS[k] - before[k] for k in before}
+    assert first == {"decided": 3, "rechecked": 0, "trusted": 0, "reused": 3}
+    before = dict(cpu_kernels.DECISION_COUNTS)
+    _capture(_two_layers, torch.randn(4, 6), torch.randn(6, 6))
+    second = {k: cpu_kernels.DECISION_COUNTS[k] - before[k] for k in before}
+    assert second == {"decided": 0, "rechecked": 3, "trusted": 0, "reused": 3}
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        g.replay()  # type: ignore[attr-defined]
+        assert torch.equal(out, _two_layers(x, w))  # type: ignore[arg-type]
 
 
 def test_a_malformed_seed_names_the_record() -> None:

@@ -33,6 +33,7 @@ import torch
 
 from npugraph_runtime import _compat
 from npugraph_runtime.devices.base import CAPTURE_ERROR_MODES, PoolHandle, check_capture_error_mode
+from npugraph_runtime.devices.cpu_kernels import capture_checks_begin, capture_checks_end
 from npugraph_runtime.devices.cpu_pool import (
     Block,
     CpuPool,
@@ -51,6 +52,7 @@ from npugraph_runtime.devices.cpu_streams import (
     set_cpu_stream,
     set_event_hooks,
 )
+from npugraph_runtime.devices.cpu_undo import UndoLog
 from npugraph_runtime.devices.no_launch import Launched
 from npugraph_runtime.errors import CaptureError, DeviceError, PolicyError
 
@@ -92,7 +94,7 @@ class CpuGraph:
         self.keep_launched = False
         self.relaunch: list[Launched] = []
         self._launched: list[Launched] = []
-        self._kept: list[tuple[torch.UntypedStorage, torch.UntypedStorage]] = []
+        self._kept = UndoLog()
 
     # --- capture -------------------------------------------------------------------------------
     def capture_begin(self, pool: PoolHandle | None = None, capture_error_mode: str = "global") -> None:
@@ -132,6 +134,7 @@ class CpuGraph:
         recorder.relaunch.extend(self.relaunch)
         recorder.__enter__()  # type: ignore[no-untyped-call]
         recorder.host_reads.__enter__()  # type: ignore[no-untyped-call]
+        capture_checks_begin()
         self._recorder = recorder
         set_event_hooks(recorder)
         _CAPTURING.graph = self
@@ -150,6 +153,7 @@ class CpuGraph:
             recorder.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         finally:
             self._recorder = None
+            capture_checks_end()
             set_event_hooks(None)
             _CAPTURING.graph = None
         return recorder
@@ -165,7 +169,7 @@ class CpuGraph:
         recorder = self._stop_recording()
         self._launched = recorder.launched or []
         if self.keep_writes and recorder.error is None:
-            self._kept = recorder.take_snapshots()
+            self._kept = recorder.take_undo()
         else:
             recorder.restore()
         if recorder.error is not None:
@@ -202,17 +206,16 @@ class CpuGraph:
 
     def written(self) -> list[torch.UntypedStorage]:
         """The storages that existed before the last capture and that its kept run wrote."""
-        return [st for st, _ in self._kept]
+        return self._kept.storages()
 
     def undo_writes(self) -> None:
         """Restore what the last capture's kept run wrote (``keep_writes``); once."""
-        kept, self._kept = self._kept, []
-        for st, saved in kept:
-            st.copy_(saved)
+        kept, self._kept = self._kept, UndoLog()
+        kept.undo()
 
     def drop_undo(self) -> None:
         """Keep the last capture's writes for good: free the copies of what they overwrote."""
-        self._kept = []
+        self._kept = UndoLog()
 
     # --- use -----------------------------------------------------------------------------------
     def replay(self) -> None:

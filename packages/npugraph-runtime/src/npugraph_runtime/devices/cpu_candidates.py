@@ -1,6 +1,7 @@
 """Replay-kernel candidates for one recorded op: the kinds of step a replay issues, the ways a
 functional op can be re-issued (``Candidate``, in ``RULE`` order) and the bitwise check of a
-candidate's result on the capture's own data; in-place ops' ``Tensor`` methods and their check.
+candidate's result on the capture's own data; in-place ops' ``Tensor`` methods and their check
+(by dispatch).
 cpu_kernels.py decides, per op signature, which candidate a replay uses."""
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 import torch
 
 from npugraph_runtime import _compat
+from npugraph_runtime._compat import TorchDispatchMode
+from npugraph_runtime.devices.cpu_scratch import scratch_for
 from npugraph_runtime.schema import overload_name, write_positions
 
 
@@ -114,19 +117,6 @@ def same_result(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
-def scratch_like(t: torch.Tensor) -> torch.Tensor:
-    """A tensor with ``t``'s layout holding values that differ from ``t`` everywhere, so a candidate
-    that skips an element is caught."""
-    s = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype)
-    if t.dtype == torch.bool:
-        torch.logical_not(t, out=s)
-    elif t.is_floating_point() or t.is_complex():
-        torch.neg(t, out=s)  # flips the sign bit of every element, zeros and NaNs included
-    else:
-        torch.bitwise_not(t, out=s)
-    return s
-
-
 def _quietly(fn: Callable[[], object]) -> bool:
     """Run ``fn``; False if it raised or warned."""
     with warnings.catch_warnings(record=True) as caught:
@@ -200,7 +190,7 @@ def _runner(
     """A zero-argument call of ``c`` on ``args``, and the scratch outputs it writes (out= kinds)."""
     if c.kind is Kind.COPY:
         return partial(c.call, *args, **kwargs), []
-    scratch = [scratch_like(t) for _, t in outs]
+    scratch = scratch_for([t for _, t in outs])
     if c.kind is Kind.COPY_INTO:
         return partial(scratch[0].copy_, c.call(args)), scratch
     if c.kind is Kind.OUT_PUBLIC:
@@ -246,10 +236,55 @@ def inplace_method_name(func: Any, args: Sequence[Any]) -> str | None:
     return str(name)
 
 
-def verify_inplace_method(
-    name: str, before: torch.Tensor, after: torch.Tensor, args: Sequence[Any], kwargs: dict[str, Any]
-) -> bool:
-    """Replay the method on ``before`` (a copy of the first argument taken before the op ran) and
-    compare with what the op left in ``after``."""
-    method = getattr(before, name)
-    return _quietly(lambda: method(*args[1:], **kwargs)) and same_result(before, after)
+class _Dispatched(Exception):
+    """Raised by ``_FirstDispatch`` to stop the call it intercepted before anything runs."""
+
+
+class _FirstDispatch(TorchDispatchMode):  # type: ignore[misc]
+    """Notes the first op a call dispatches and stops the call there, running nothing."""
+
+    def __init__(self) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.seen: tuple[Any, tuple[Any, ...], dict[str, Any]] | None = None
+
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        self.seen = (func, args, kwargs or {})
+        raise _Dispatched
+
+
+def _same_arguments(a: Any, b: Any) -> bool:
+    """The same tensors (objects) and equal constants, of the same types, in the same structure."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(map(_same_arguments, a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same_arguments(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b)
+    except Exception:  # a constant that does not compare (an ambiguous truth value)
+        return False
+
+
+def dispatches_as(name: str, func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether ``args[0].<name>(*args[1:], **kwargs)``, the ``Tensor`` method a replay would
+    issue, reaches ``func`` with these very arguments: then it is the op itself, whatever the
+    data. Checked by dispatch alone, running nothing: no copy of the (possibly large) tensor
+    written, and no check that passes by coincidence on the capture's values."""
+    mode = _FirstDispatch()
+    try:
+        with mode:
+            getattr(args[0], name)(*args[1:], **kwargs)
+    except _Dispatched:
+        pass
+    except Exception:  # the method refuses these arguments: the op is re-issued as it is
+        return False
+    if mode.seen is None:
+        return False
+    seen_func, seen_args, seen_kwargs = mode.seen
+    return (seen_func is func and _same_arguments(seen_args, tuple(args))
+            and _same_arguments(seen_kwargs, dict(kwargs)))

@@ -26,7 +26,8 @@ In-place ops are re-issued as a bound ``Tensor`` method when that verifies, else
 A decision is the first candidate in rule order that verifies; the later ones are not run.
 Decisions are kept per op and argument layout (``_DECIDED``): a later capture of the same
 signature verifies, on its own data, the decided candidate (and, should it fail there, the
-candidates in rule order until one passes).
+candidates in rule order until one passes), once: the same signature again in that capture (a
+model's next layer) takes what the capture verified.
 A ``DecisionJournal`` exports, as plain data, the decisions the captures of one thread used while
 it was open (what one cache entry's first call decided); ``seed_kernel_decisions`` imports them,
 possibly in another process.
@@ -69,6 +70,7 @@ from npugraph_runtime.devices.cpu_candidates import (
 )
 
 # re-exported for callers that name an op from here (the schema helpers live in schema.py)
+from npugraph_runtime.devices.cpu_scratch import hold_scratch, release_scratch
 from npugraph_runtime.schema import overload_name as overload_name
 from npugraph_runtime.schema import write_positions as write_positions
 
@@ -107,8 +109,35 @@ _DECIDED_MAX = 4096
 _SEEDED: dict[str, tuple[tuple[str, ...], int | None]] = {}
 # How captures got their decisions in this process: "decided" (candidates verified in rule
 # order), "rechecked" (a known decision, verified again on this data), "trusted" (a trusted
-# seed, nothing run again).
-DECISION_COUNTS: dict[str, int] = {"decided": 0, "rechecked": 0, "trusted": 0}
+# seed, nothing run again), "reused" (verified earlier in the same capture: a model's repeated
+# layers, nothing run again).
+DECISION_COUNTS: dict[str, int] = {"decided": 0, "rechecked": 0, "trusted": 0, "reused": 0}
+
+
+class _CaptureChecks(threading.local):
+    """What the capture in progress on this thread verified, by key: each signature is checked
+    once per capture, on that capture's data (captures are per thread, as dispatch modes are)."""
+
+    def __init__(self) -> None:
+        self.holders = 0
+        self.checked: dict[Any, list[Candidate]] = {}
+
+
+_CAPTURE = _CaptureChecks()
+
+
+def capture_checks_begin() -> None:
+    """A capture begins on this thread: its kernel checks share one scratch arena, and a
+    signature it verified once is not verified again until ``capture_checks_end``."""
+    _CAPTURE.holders += 1
+    hold_scratch()
+
+
+def capture_checks_end() -> None:
+    _CAPTURE.holders = max(0, _CAPTURE.holders - 1)
+    if _CAPTURE.holders == 0:
+        _CAPTURE.checked = {}
+    release_scratch()
 
 
 class _OpenJournals(threading.local):
@@ -258,6 +287,12 @@ def out_candidates(
     except TypeError:  # an unhashable constant: decide every time
         DECISION_COUNTS["decided"] += 1
         return list(_decide(func, op, args, kwargs, outs, copy_only).candidates)
+    checked = _CAPTURE.checked.get(key) if _CAPTURE.holders else None
+    if checked is not None and decision is not None:
+        DECISION_COUNTS["reused"] += 1
+        for journal in _OPEN.journals:
+            journal.note(key, decision)
+        return list(checked)
     if decision is None and _SEEDED:
         decision = _from_seed(key, func, op, args, outs, copy_only)
     if decision is None:
@@ -271,9 +306,11 @@ def out_candidates(
     DECISION_COUNTS[how] += 1
     for journal in _OPEN.journals:
         journal.note(key, decision)
-    if how == "rechecked":
-        return _recheck(decision, func, op, args, kwargs, outs, copy_only)
-    return list(decision.candidates)
+    picked = (_recheck(decision, func, op, args, kwargs, outs, copy_only) if how == "rechecked"
+              else list(decision.candidates))
+    if _CAPTURE.holders:
+        _CAPTURE.checked[key] = picked
+    return picked
 
 
 def _record(decision: Decision) -> dict[str, Any]:

@@ -33,7 +33,6 @@ from npugraph_runtime.devices.cpu_record import (
     StorageEntry,
     TensorEntry,
     TRef,
-    exact_copy,
     is_plain,
     leaves_of,
     tensor_list,
@@ -46,6 +45,7 @@ from npugraph_runtime.devices.cpu_streams import (
     HazardTracker,
     current_cpu_stream,
 )
+from npugraph_runtime.devices.cpu_undo import UndoLog
 from npugraph_runtime.devices.no_launch import Launched, launched, launches, relaunched, stand_in
 from npugraph_runtime.errors import CaptureError, CrossStreamWarning, DeviceError, NpugraphError
 from npugraph_runtime.schema import overload_name
@@ -72,7 +72,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
         self.hazard_reported = False
         self._tensor_ix: dict[int, int] = {}
         self._storage_ix: dict[int, int] = {}
-        self._snapshots: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
+        self._undo = UndoLog()
         self.host_reads = HostReads(self)
         # kernel choice across ops: the step that produced each storage, and the last step that
         # wrote each storage (a pre-existing one in place, a produced one by its producer)
@@ -131,14 +131,12 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
     def _storage_of(self, t: torch.Tensor) -> int | None:
         return self._storage_ix.get(id(t.untyped_storage()))
 
-    def _snapshot(self, t: torch.Tensor) -> None:
-        """Keep a copy of a pre-existing storage before the capture first writes it."""
+    def _before_write(self, t: torch.Tensor, func: Any, args: tuple[Any, ...]) -> None:
+        """Keep what ``func`` is about to overwrite in a pre-existing storage (cpu_undo)."""
         si = self._storage_of(t)
         if si is not None and self.storages[si].produced:
             return
-        st = t.untyped_storage()
-        if id(st) not in self._snapshots:
-            self._snapshots[id(st)] = (st, st.clone())  # type: ignore[no-untyped-call]
+        self._undo.before_write(t, func, args)
 
     def reads_local(self, tensors: list[torch.Tensor]) -> bool:
         """Some of ``tensors`` hold values made from a collective that stood in for itself."""
@@ -161,14 +159,12 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
 
     def restore(self) -> None:
         """Undo every write the capture made to storages that existed before it."""
-        for st, saved in self.take_snapshots():
-            st.copy_(saved)
+        self.take_undo().undo()
 
-    def take_snapshots(self) -> list[tuple[torch.UntypedStorage, torch.UntypedStorage]]:
-        """Each storage that existed before the capture and was written during it, with its
-        contents before; the recorder forgets them (they are the caller's to restore or drop)."""
-        taken = list(self._snapshots.values())
-        self._snapshots.clear()
+    def take_undo(self) -> UndoLog:
+        """What the capture overwrote in storages that existed before it; the recorder forgets
+        it (it is the caller's to undo or drop)."""
+        taken, self._undo = self._undo, UndoLog()
         return taken
 
     def fail(self, error: NpugraphError) -> None:
@@ -337,15 +333,8 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
         # a custom op's schema may not declare its writes: keep every pre-existing input it gets
         for t in written if info.trusted_schema else inputs:
             if t.device == CPU:
-                self._snapshot(t)
-        method = None
-        before = None
-        if reason is None and written:
-            method = inplace_method_name(func, args)
-            if method is not None:
-                self_storage = args[0].untyped_storage()
-                if all(t.untyped_storage() is not self_storage for t in inputs[1:]):
-                    before = exact_copy(args[0])
+                self._before_write(t, func, args)
+        method = inplace_method_name(func, args) if reason is None and written else None
         stood_in = False
         if not launches(func):
             result = func(*args, **kwargs)
@@ -391,7 +380,7 @@ class Recorder(TorchDispatchMode):  # type: ignore[misc]
         step = Step(func, Kind.SKIP, args_r, kwargs_r, outs, stream=stream)
 
         op = RecordedOp(func, info, args, kwargs, index, reason, written, leaves, outs, fresh,
-                 metadata_only, method, before)
+                 metadata_only, method)
         next(fill for applies, fill in KIND_RULES if applies(op))(self, op, step)
         if step.kind is Kind.COPY and info.name == _SDPA_CPU:
             self._read_grouped_kv(step, args, kwargs, leaves, index)

@@ -9,7 +9,7 @@ from typing import Any, Protocol
 
 import torch
 
-from npugraph_runtime.devices.cpu_candidates import Kind, verify_inplace_method
+from npugraph_runtime.devices.cpu_candidates import Kind, dispatches_as
 from npugraph_runtime.devices.cpu_kernels import out_candidates
 from npugraph_runtime.devices.cpu_op_info import OpInfo
 from npugraph_runtime.devices.cpu_record import (
@@ -50,7 +50,6 @@ class RecordedOp:
     fresh: tuple[tuple[tuple[int, ...], TRef], ...]  # results in storage it allocated
     metadata_only: bool
     method: str | None  # the in-place method that may re-issue it, if any
-    before: torch.Tensor | None  # its self argument before it ran, to verify ``method``
 
 
 def _frozen(rec: Recording, op: RecordedOp, step: Step) -> None:
@@ -75,13 +74,9 @@ def _skip(rec: Recording, op: RecordedOp, step: Step) -> None:
 
 
 def _writes(rec: Recording, op: RecordedOp, step: Step) -> None:
-    """An op that writes its inputs: re-issued as its in-place method where that was verified
-    to give the same result, else as it is."""
-    if (
-        op.method is not None
-        and op.before is not None
-        and verify_inplace_method(op.method, op.before, op.args[0], op.args, op.kwargs)
-    ):
+    """An op that writes its inputs: re-issued as its in-place method where that method
+    dispatches to this very op with these arguments, else as it is."""
+    if op.method is not None and dispatches_as(op.method, op.func, op.args, op.kwargs):
         step.kind, step.method = Kind.INPLACE_METHOD, op.method
     else:
         step.kind = Kind.AS_IS
