@@ -1103,3 +1103,41 @@ def test_capture_ahead_captures_nothing_where_calls_run_eagerly() -> None:
     assert limited.num_captures == 2 and not limited.fell_back
     with pytest.raises(PolicyError, match="capture_ahead was called with 2 arguments"):
         limited.capture_ahead(*args[:2])
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_no_garbage_collection_runs_while_a_capture_records(enabled: bool) -> None:
+    """A full collection scans the whole heap (after a compile, more than the capture costs); it
+    runs after the capture instead. The collector's state is the caller's again afterwards."""
+    in_capture = [False]
+    during: list[int] = []
+
+    def seen(phase: str, info: dict[str, int]) -> None:
+        if phase == "start" and in_capture[0]:
+            during.append(info["generation"])
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor]:
+        in_capture[0] = True  # warmup=0: fn's only Python run is the capture's
+        cycles = []
+        for _ in range(3 * gc.get_threshold()[0]):  # enough new containers for a collection
+            a: list[object] = []
+            a.append(a)
+            cycles.append(a)
+        in_capture[0] = False
+        return (x * 2,)
+
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    gc.callbacks.append(seen)
+    try:
+        g = ngr.make_graphed_callable(fn, (torch.randn(5, 3),), name="no_gc", warmup=0)
+        with torch.no_grad():
+            for _ in range(3):
+                x = torch.randn(5, 3)
+                torch.testing.assert_close(g(x)[0], x * 2)
+        assert gc.isenabled() is enabled
+    finally:
+        gc.callbacks.remove(seen)
+        (gc.enable if was else gc.disable)()
+    assert counters().get("captured_no_gc", 0) == 1
+    assert during == []

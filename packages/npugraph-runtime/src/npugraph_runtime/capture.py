@@ -5,9 +5,11 @@ into the replay closure (bindings.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import sys
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import cast
 
 import torch
@@ -269,9 +271,10 @@ def record(
     buffer; None: any (see _buffers)."""
     relaunch: list[Launched] = []
     while True:
-        g, out, cap_args, buffers, raw_reads = _record_once(
-            fn, name, spec, policy, slots, args, mirrored, device, pool, as_call, adoptable,
-            relaunch)
+        with _collector_paused():
+            g, out, cap_args, buffers, raw_reads = _record_once(
+                fn, name, spec, policy, slots, args, mirrored, device, pool, as_call, adoptable,
+                relaunch)
         if raw_reads <= mirrored:
             break
         if (c := computing(g)) is not None:
@@ -295,6 +298,23 @@ def record(
         # the run was the call's, as an eager run would be (inputs fn may not write were refused)
         c.drop_undo()
     return cap
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """No cyclic garbage collection while a capture records: the recorder's own allocations
+    would trigger one, and a full collection scans the whole heap a compile left (~200 ms after
+    torch.compile of a small model, more than the capture itself). It runs after the capture,
+    when the allocations that follow trigger it; a capture allocates a bounded number of
+    objects, so deferring it holds no memory for long."""
+    if not gc.isenabled():
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
 
 
 def _undo(g: DeviceGraph) -> None:
