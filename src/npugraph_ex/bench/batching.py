@@ -1,26 +1,28 @@
 """(k) Continuous batching: a decode loop whose batch changes every step, as a server's does.
 
 Requests arrive and finish; each holds a KV slot of one stacked cache per layer and its own
-position, written with ``kc[layer].index_put_((slots, pos), k)`` and read through its slot under
-a position mask. 300 steps with 1..48 live requests, the same schedule for every compiler,
-compiled with dynamic=True; ours with ``capture_sizes`` and the scratch slot as ``pad_values``.
-The schedule runs in rounds, compilers interleaved (a machine whose load changes slows all
-alike); round 1 (after one compiling call per graph) is the total with every capture the loop
-meets, the later rounds give the steady step. Ours captures its declared sizes ahead, largest
-first, on the first call that needs one, the compiling call here: the time those captures took
-(the runtime's ``capture_ms_`` counters) is added to the total. Then a fixed batch of 16
-requests, timed interleaved, and that batch
-with the position as a Python int (one per step) instead of a tensor: an int that only feeds
-values is a graph input, so a new value is a replay, not a capture.
+position, written with ``kc[layer].index_put_((slots, pos), k)`` and read through its slot under a
+position mask. 300 steps with 1..48 live requests, the same schedule for every compiler, compiled
+with dynamic=True; ours with ``capture_sizes`` and the scratch slot as ``pad_values``. The schedule
+runs in rounds, compilers interleaved (a machine whose load changes slows all alike); round 1
+(after one compiling call per graph) is the total with every capture the loop meets, the later
+rounds give the steady step. The garbage each compile left is collected in its start-up, before the
+rounds (a full collection's cost is the heap's, not the steps'). Ours captures its declared sizes
+ahead, largest first, on the first call that needs one, the compiling call here: the time those
+captures took (the runtime's ``capture_ms_`` counters) is added to the total. Then a fixed batch of
+16 requests, timed interleaved, and that batch with the position as a Python int (one per step)
+instead of a tensor: an int that only feeds values is a graph input, so a new value is a replay,
+not a capture.
 
-Figures: captures, eager fallbacks, the max error of the real rows against eager, the median
-steady step and the total time, side by side; targets on ours as the issue sets them. One more
-round of ours under cProfile splits its step into the torch.compile wrappers, the padding, the
-capture manager and the replay's ops (INFO rows)."""
+Figures: captures, eager fallbacks, the max error of the real rows against eager, the median steady
+step and the total time, side by side; targets on ours as the issue sets them. One more round of
+ours under cProfile splits its step into the torch.compile wrappers, the padding, the capture
+manager and the replay's ops (INFO rows)."""
 
 from __future__ import annotations
 
 import cProfile
+import gc
 import math
 import pstats
 import random
@@ -210,6 +212,10 @@ def run(ctx: BenchContext) -> Section:
             start, cpu, before = time.perf_counter(), clock(), counter_snapshot()
             compiled[name] = _compile(name, model, _forward, ctx.inductor_budget_s,
                                       options if name == OURS else None, warm)
+            # the compile's garbage: a full collection scans the heap it left (~250 ms after
+            # a compile here), and one falls into whatever runs next, a capture or a timed
+            # step; it is start-up, for every compiler alike
+            gc.collect()
             # the captures the compiling calls made (the declared sizes, ahead): part of the
             # total, as if the loop had met them (the runtime's capture_ms_ counters, warm-ups
             # included; wall time, which a loaded machine inflates: it counts against ours)
