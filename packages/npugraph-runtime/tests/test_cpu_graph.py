@@ -578,3 +578,8 @@ def test_an_indexed_write_keeps_only_the_elements_it_overwrites() -> None:
     kv.mul_(2.0)
     log.undo()
     assert not kv.any()
+    # elements of an expanded tensor share memory: such a write (refused by torch) keeps it all
+    wide = torch.zeros(1, 32).expand(4, 32)
+    log = UndoLog()
+    log.before_write(wide, torch.ops.aten.index_put_.default, (wide, [slots], rows))
+    assert log.kept_bytes() == wide.untyped_storage().nbytes()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import cast
@@ -300,6 +301,16 @@ def record(
     return cap
 
 
+class _CollectorPause:
+    """Captures in progress (any thread) and whether the collector was on before the first:
+    the last one to end turns it back on, so concurrent captures do not turn it on under
+    each other."""
+
+    lock = threading.Lock()
+    depth = 0
+    resume = False
+
+
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
     """No cyclic garbage collection while a capture records: the recorder's own allocations
@@ -307,14 +318,18 @@ def _collector_paused() -> Iterator[None]:
     torch.compile of a small model, more than the capture itself). It runs after the capture,
     when the allocations that follow trigger it; a capture allocates a bounded number of
     objects, so deferring it holds no memory for long."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
+    with _CollectorPause.lock:
+        if _CollectorPause.depth == 0:
+            _CollectorPause.resume = gc.isenabled()
+            gc.disable()
+        _CollectorPause.depth += 1
     try:
         yield
     finally:
-        gc.enable()
+        with _CollectorPause.lock:
+            _CollectorPause.depth -= 1
+            if _CollectorPause.depth == 0 and _CollectorPause.resume:
+                gc.enable()
 
 
 def _undo(g: DeviceGraph) -> None:

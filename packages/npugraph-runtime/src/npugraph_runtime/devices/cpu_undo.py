@@ -48,6 +48,18 @@ class _Elements:
         _index_put_(self.target, list(self.indices), self.saved)
 
 
+def _no_self_overlap(t: torch.Tensor) -> bool:
+    """No two elements of ``t`` share memory, shown from its sizes and strides alone: each dim,
+    by increasing stride, steps past everything the smaller ones reach."""
+    extent = 1
+    for size, stride in sorted(((n, st) for n, st in zip(t.shape, t.stride(), strict=True)
+                                if n > 1), key=lambda d: d[1]):
+        if stride < extent:
+            return False
+        extent = stride * size
+    return True
+
+
 class UndoLog:
     """The writes of one capture to pre-existing storages, in their order."""
 
@@ -79,6 +91,8 @@ class UndoLog:
             return None
         if not all(i is None or isinstance(i, torch.Tensor) for i in args[1]):
             return None
+        if not _no_self_overlap(t):
+            return None  # the write refuses it (an expanded tensor); so would its undo
         # copies: a later op of the capture may write the index tensors
         indices = tuple(None if i is None else i.clone() for i in args[1])
         if any(i is not None and i.untyped_storage() is t.untyped_storage() for i in args[1]):
