@@ -110,7 +110,7 @@ def test_bench_quick_section_k_padded_decode_equals_eager_with_bounded_captures(
 ) -> None:
     """Bench (k): the continuous-batching loop under capture_sizes: real rows equal eager, no
     eager fallback, at most two captures per capture size (each is captured ahead, used or
-    not); without capture_sizes, more."""
+    not); without capture_sizes, more; the same on the smaller decoder."""
     section = _quick_bench(tmp_path, "k")["sections"]["k"]
     assert section["error"] == ""
     data = section["data"]
@@ -118,3 +118,6 @@ def test_bench_quick_section_k_padded_decode_equals_eager_with_bounded_captures(
     assert ours["max_error"] <= 1e-5 and data["fallbacks"] == 0
     assert 0 < data["captures"] <= 2 * len(data["capture_sizes"])
     assert data["results"]["ours, capture_sizes=None"]["captures"] > data["captures"]
+    smaller = data["results"]["smaller decoder"]  # the same loop where host overhead dominates
+    assert smaller["max_error"] <= 1e-5 and smaller["fallbacks"] == 0
+    assert 0 < smaller["captures"] <= 2 * len(data["capture_sizes"])

@@ -14,6 +14,9 @@ captures took (the runtime's ``capture_ms_`` counters) is added to the total. Th
 instead of a tensor: an int that only feeds values is a graph input, so a new value is a replay,
 not a capture.
 
+The same loop on a smaller decoder (hidden 32, 64 positions), where a step's host overhead
+outweighs its KV reads, gives the ratios once more (eager and ours, INFO rows).
+
 Figures: captures, eager fallbacks, the max error of the real rows against eager, the median steady
 step and the total time, side by side; targets on ours as the issue sets them. One more round of
 ours under cProfile splits its step into the torch.compile wrappers, the padding, the capture
@@ -59,22 +62,23 @@ class Decoder(nn.Module):
     kc: torch.Tensor
     vc: torch.Tensor
 
-    def __init__(self) -> None:
+    def __init__(self, hidden: int = HIDDEN, positions: int = POSITIONS) -> None:
         super().__init__()
-        self.emb = nn.Embedding(VOCAB, HIDDEN)
-        self.qkv = nn.ModuleList(nn.Linear(HIDDEN, 3 * HIDDEN) for _ in range(LAYERS))
-        self.mlp = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(LAYERS))
-        self.out = nn.Linear(HIDDEN, VOCAB)
-        self.register_buffer("kc", torch.zeros(LAYERS, SLOTS, POSITIONS, HIDDEN))
-        self.register_buffer("vc", torch.zeros(LAYERS, SLOTS, POSITIONS, HIDDEN))
+        self.hidden, self.positions = hidden, positions
+        self.emb = nn.Embedding(VOCAB, hidden)
+        self.qkv = nn.ModuleList(nn.Linear(hidden, 3 * hidden) for _ in range(LAYERS))
+        self.mlp = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(LAYERS))
+        self.out = nn.Linear(hidden, VOCAB)
+        self.register_buffer("kc", torch.zeros(LAYERS, SLOTS, positions, hidden))
+        self.register_buffer("vc", torch.zeros(LAYERS, SLOTS, positions, hidden))
 
     def forward(self, tokens: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        mask = torch.arange(POSITIONS, device=tokens.device)[None, :] <= pos[:, None]
+        mask = torch.arange(self.positions, device=tokens.device)[None, :] <= pos[:, None]
         return self._layers(tokens, slots, pos, mask)
 
     def step_int(self, tokens: torch.Tensor, slots: torch.Tensor, pos: int) -> torch.Tensor:
         """Every request at the same position, given as a Python int."""
-        mask = torch.arange(POSITIONS, device=tokens.device)[None, :] <= pos
+        mask = torch.arange(self.positions, device=tokens.device)[None, :] <= pos
         return self._layers(tokens, slots, pos, mask)
 
     def _layers(self, tokens: torch.Tensor, slots: torch.Tensor, pos: Any,
@@ -92,7 +96,7 @@ class Decoder(nn.Module):
                 self.kc[layer].index_put_((slots, pos), k)
                 self.vc[layer].index_put_((slots, pos), v)
             keys, values = self.kc[layer][slots], self.vc[layer][slots]
-            scores = (q[:, None, :] * keys).sum(-1) * HIDDEN ** -0.5
+            scores = (q[:, None, :] * keys).sum(-1) * self.hidden ** -0.5
             weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
             x = x + (weights[:, :, None] * values).sum(1)
             x = x + torch.relu(self.mlp[layer](x))
@@ -107,7 +111,7 @@ class Step:
     pos: torch.Tensor
 
 
-def schedule(steps: int = STEPS, seed: int = 0) -> list[Step]:
+def schedule(steps: int = STEPS, seed: int = 0, positions: int = POSITIONS) -> list[Step]:
     """Live requests follow 1 -> 48 -> 1 twice; each request has its own slot, starts at a
     random prompt length and finishes after a random number of steps (or when the wave ebbs)."""
     rng = random.Random(seed)
@@ -120,14 +124,15 @@ def schedule(steps: int = STEPS, seed: int = 0) -> list[Step]:
             free.append(live.pop(0)[0])
         while len(live) < target:
             rng.shuffle(free)
-            live.append([free.pop(), rng.randrange(0, 64), rng.randrange(8, 120)])
+            live.append([free.pop(), rng.randrange(0, min(64, positions // 2)),
+                         rng.randrange(8, 120)])
         out.append(Step(torch.tensor([rng.randrange(VOCAB) for _ in live]),
                         torch.tensor([r[0] for r in live]), torch.tensor([r[1] for r in live])))
         for r in live:
             r[1] += 1
             r[2] -= 1
-        free += [r[0] for r in live if r[2] <= 0 or r[1] >= POSITIONS]
-        live = [r for r in live if r[2] > 0 and r[1] < POSITIONS]
+        free += [r[0] for r in live if r[2] <= 0 or r[1] >= positions]
+        live = [r for r in live if r[2] > 0 and r[1] < positions]
     return out
 
 
@@ -301,6 +306,7 @@ def run(ctx: BenchContext) -> Section:
         facts[OURS]["step_breakdown_ms"] = _breakdown(sec, compiled[OURS], models[OURS], steps)
     _unpadded(ctx, sec, base, steps, warm, expected, facts)
     _fixed(ctx, sec, base, options, facts)
+    _smaller(ctx, sec, options, len(steps), rounds, facts)
     sec.data.update(hidden=HIDDEN, layers=LAYERS, slots=SLOTS, positions=POSITIONS,
                     capture_sizes=CAPTURE_SIZES, sizes_used=sizes_used, steps=len(steps),
                     rounds=rounds, live=[len(s.slots) for s in steps], captures=captures,
@@ -372,6 +378,59 @@ def _unpadded(ctx: BenchContext, sec: Section, base: Decoder, steps: list[Step],
         f"{len(steps)} steps without capture_sizes: ours {caps} captures, {falls} eager calls, "
         f"total {sum(times) * 1e3:.0f} ms, max error {err:.1e}", float(caps), "captures",
         note="for comparison: one capture per batch size"))
+
+
+SMALL_HIDDEN, SMALL_POSITIONS = 32, 64
+
+
+def _smaller(ctx: BenchContext, sec: Section, options: dict[str, Any], n_steps: int, rounds: int,
+             facts: dict[str, dict[str, Any]]) -> None:
+    """The same loop on a decoder small enough that a step's host overhead dominates its KV
+    reads: eager against ours only, interleaved by round as above (INFO rows)."""
+    torch.manual_seed(1)
+    base = Decoder(SMALL_HIDDEN, SMALL_POSITIONS).to(ctx.device).eval()
+    steps = schedule(n_steps, positions=SMALL_POSITIONS)
+    warm = [(s.tokens, s.slots, s.pos) for s in (steps[0], next(s for s in steps
+                                                                  if len(s.slots) > 1))]
+    models: dict[str, Decoder] = {}
+    compiled: dict[str, Callable[..., Any]] = {}
+    capture_ms = 0.0
+    since = counter_snapshot()
+    for name in ("eager", OURS):
+        models[name] = Decoder(SMALL_HIDDEN, SMALL_POSITIONS).to(ctx.device).eval()
+        models[name].load_state_dict(base.state_dict())
+        before = counter_snapshot()
+        try:
+            compiled[name] = _compile(name, models[name], _forward, 0.0,
+                                      options if name == OURS else None, warm)
+        except Exception as exc:
+            sec.figures.append(Figure.skip(f"smaller decoder: {name}", fmt_exc(exc)))
+            return
+        gc.collect()  # the compile's garbage, as above
+        capture_ms += float(_captures(before, "capture_ms_"))
+    expected: list[torch.Tensor] = []
+    per_round: dict[str, list[list[float]]] = {n: [] for n in compiled}
+    err = 0.0
+    for _ in range(rounds):
+        for name in compiled:
+            times, e = _loop(compiled[name], models[name], steps, expected)
+            per_round[name].append(times)
+            err = max(err, e) if name == OURS else err
+    median = {n: statistics.median([t for ts in r[1:] for t in ts]) for n, r in per_round.items()}
+    total = {n: sum(r[0]) * 1e3 for n, r in per_round.items()}
+    total[OURS] += capture_ms
+    caps, falls = _captures(since), _fallbacks(since)
+    facts["smaller decoder"] = {"hidden": SMALL_HIDDEN, "positions": SMALL_POSITIONS,
+                                "median_step_ms": {n: m * 1e3 for n, m in median.items()},
+                                "total_ms": total, "captures": caps, "fallbacks": falls,
+                                "max_error": err}
+    label = (f"smaller decoder (hidden {SMALL_HIDDEN}, {SMALL_POSITIONS} positions; eager "
+             f"median step {median['eager'] * 1e3:.3f} ms)")
+    sec.figures += [
+        Figure(f"{label}: ours / eager, median steady step", median[OURS] / median["eager"], "x"),
+        Figure(f"{label}: ours / eager, total incl. every capture ({caps} captures, {falls} "
+               f"eager calls, max error {err:.1e})", total[OURS] / total["eager"], "x"),
+    ]
 
 
 def _fixed(ctx: BenchContext, sec: Section, base: Decoder, options: dict[str, Any],
