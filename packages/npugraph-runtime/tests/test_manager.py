@@ -5,6 +5,7 @@ results), calls that need autograd, threads. Every result is compared with eager
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 import warnings
 import weakref
@@ -1141,3 +1142,25 @@ def test_no_garbage_collection_runs_while_a_capture_records(enabled: bool) -> No
         (gc.enable if was else gc.disable)()
     assert counters().get("captured_no_gc", 0) == 1
     assert during == []
+
+
+def test_cyclic_garbage_of_the_capture_is_not_read_as_a_held_output() -> None:
+    """fn's frame kept by a reference cycle references the output; when the collector frees it
+    after the capture, the output's count drops: settled with it, that read as held (a needless
+    recapture per such capture)."""
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor]:
+        out = x * 2
+        cycle: list[object] = []
+        cycle += [cycle, sys._getframe()]  # the frame holds ``out`` and ``cycle``
+        return (out,)
+
+    g = ngr.make_graphed_callable(fn, (torch.randn(4, 3),), name="cyclic_garbage", warmup=0)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(4, 3)
+            out = g(x)[0]
+            torch.testing.assert_close(out, x * 2)
+            del out
+            gc.collect()
+    assert [e.reason for e in g.events] == ["new_key"]

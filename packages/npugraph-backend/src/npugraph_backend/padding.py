@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from npugraph_runtime import GraphedCallable
+from npugraph_runtime.collector import collector_paused
 
 from npugraph_backend._compat import first_call_analyzer_paused
 from npugraph_backend.padding_plan import PaddedInput, PaddingPlan
@@ -131,13 +132,15 @@ class PaddedCall:
                 return self._run(real, target, args)
             self._ahead = False
             sizes = [s for s in reversed(self._sizes) if s >= _SMALLEST]
-            with first_call_analyzer_paused():
-                for size in (s for s in sizes if s > target[0]):
-                    self.fn.capture_ahead(*self._padded(real, [size], args)[0])
-            out = self._run(real, target, args)
-            with first_call_analyzer_paused():
-                for size in (s for s in sizes if s < target[0]):
-                    self.fn.capture_ahead(*self._padded(real, [size], args)[0])
+            # one collector pause over every capture and the call between them (collector.py)
+            with collector_paused():
+                with first_call_analyzer_paused():
+                    for size in (s for s in sizes if s > target[0]):
+                        self.fn.capture_ahead(*self._padded(real, [size], args)[0])
+                out = self._run(real, target, args)
+                with first_call_analyzer_paused():
+                    for size in (s for s in sizes if s < target[0]):
+                        self.fn.capture_ahead(*self._padded(real, [size], args)[0])
             return out
 
     def _padded(self, real: list[int], target: list[int], args: Sequence[Any]

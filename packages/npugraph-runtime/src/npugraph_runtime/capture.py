@@ -5,12 +5,9 @@ into the replay closure (bindings.py)."""
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import sys
-import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
@@ -272,10 +269,9 @@ def record(
     buffer; None: any (see _buffers)."""
     relaunch: list[Launched] = []
     while True:
-        with _collector_paused():
-            g, out, cap_args, buffers, raw_reads = _record_once(
-                fn, name, spec, policy, slots, args, mirrored, device, pool, as_call, adoptable,
-                relaunch)
+        g, out, cap_args, buffers, raw_reads = _record_once(
+            fn, name, spec, policy, slots, args, mirrored, device, pool, as_call, adoptable,
+            relaunch)
         if raw_reads <= mirrored:
             break
         if (c := computing(g)) is not None:
@@ -299,37 +295,6 @@ def record(
         # the run was the call's, as an eager run would be (inputs fn may not write were refused)
         c.drop_undo()
     return cap
-
-
-class _CollectorPause:
-    """Captures in progress (any thread) and whether the collector was on before the first:
-    the last one to end turns it back on, so concurrent captures do not turn it on under
-    each other."""
-
-    lock = threading.Lock()
-    depth = 0
-    resume = False
-
-
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """No cyclic garbage collection while a capture records: the recorder's own allocations
-    would trigger one, and a full collection scans the whole heap a compile left (~200 ms after
-    torch.compile of a small model, more than the capture itself). It runs after the capture,
-    when the allocations that follow trigger it; a capture allocates a bounded number of
-    objects, so deferring it holds no memory for long."""
-    with _CollectorPause.lock:
-        if _CollectorPause.depth == 0:
-            _CollectorPause.resume = gc.isenabled()
-            gc.disable()
-        _CollectorPause.depth += 1
-    try:
-        yield
-    finally:
-        with _CollectorPause.lock:
-            _CollectorPause.depth -= 1
-            if _CollectorPause.depth == 0 and _CollectorPause.resume:
-                gc.enable()
 
 
 def _undo(g: DeviceGraph) -> None:

@@ -5,6 +5,7 @@ call path over them, misses.py what a call its key's closure cannot serve does."
 
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 import time
@@ -34,6 +35,7 @@ from npugraph_runtime.capture import (
     undone_runs,
     warm_up,
 )
+from npugraph_runtime.collector import collector_paused
 from npugraph_runtime.copied_inputs import CopiedInputs
 from npugraph_runtime.counters import (
     CAPTURE_LIMIT,
@@ -239,36 +241,39 @@ class CaptureSet:
             self._warn_grad(args)
             self._counters.count_grad_eager()
             return self._fn(*args)
-        device = self._device_for(args)
-        start = time.perf_counter()
-        # A recapture (held outputs, a new address; of any fn: its key was warmed up already) is
-        # the call too, so that fn runs once in it. force_recapture keeps the replay, which is
-        # what it shows; its capture then launches no collective (capture.record), as an
-        # accelerator's launches nothing, so a call issues each one once on every path.
-        if reason == NEW_KEY:
-            as_call = self._functional and self._policy.warmup > 0 and capture_runs_fn(device)
-        else:
-            as_call = reason != FORCE_RECAPTURE and capture_runs_fn(device)
-        if as_call:
+        with collector_paused():  # a collection due would fall into the capture (collector.py)
+            device = self._device_for(args)
+            start = time.perf_counter()
+            # A recapture (held outputs, a new address; of any fn: its key was warmed up
+            # already) is the call too, so that fn runs once in it. force_recapture keeps the
+            # replay, which is what it shows; its capture then launches no collective
+            # (capture.record), as an accelerator's launches nothing, so a call issues each one
+            # once on every path.
             if reason == NEW_KEY:
-                undone_runs(self._fn, args, self._slots, self._policy.warmup - 1)
-            result = _NO_RESULT
-        else:
-            result = self._warm_up(args) if reason == NEW_KEY else _NO_RESULT
-        cap = self._record(key, args, reason, device, as_call, replacing, new_tensor, start)
-        if as_call:
-            # the capture's run was this call: its writes stay, its outputs are returned cloned
-            assert cap.plan is not None
-            return cap.plan.own(args)
-        if result is not _NO_RESULT:
-            # the warmup's result is the call's, as a replay's would be
-            self._ledger_of(device).note_returned([result])
+                as_call = self._functional and self._policy.warmup > 0 and capture_runs_fn(device)
+            else:
+                as_call = reason != FORCE_RECAPTURE and capture_runs_fn(device)
+            if as_call:
+                if reason == NEW_KEY:
+                    undone_runs(self._fn, args, self._slots, self._policy.warmup - 1)
+                result = _NO_RESULT
+            else:
+                result = self._warm_up(args) if reason == NEW_KEY else _NO_RESULT
+            cap = self._record(key, args, reason, device, as_call, replacing, new_tensor, start)
+            if as_call:
+                # the capture's run was this call: its writes stay, its outputs are returned cloned
+                assert cap.plan is not None
+                return cap.plan.own(args)
+            if result is not _NO_RESULT:
+                # the warmup's result is the call's, as a replay's would be
+                self._ledger_of(device).note_returned([result])
+                return result
+            result = cap.replay(args)
+            if result is MISS:
+                raise CaptureError(
+                    f"internal: {self.name}'s fresh capture of key {key} refused its call")
+            cap.replayed[0] = False  # that replay was this call's own
             return result
-        result = cap.replay(args)
-        if result is MISS:
-            raise CaptureError(f"internal: {self.name}'s fresh capture of key {key} refused its call")
-        cap.replayed[0] = False  # that replay was this call's own
-        return result
 
     def capture_ahead(self, *args: object) -> bool:
         """Capture the graph key of ``args`` now, for a later call, with no effect the caller
@@ -295,17 +300,18 @@ class CaptureSet:
             self._release_orphans()
             if self._total + 1 >= self._policy.capture_limit:
                 return False  # the last capture capture_limit allows is left for a call
-            self._check_kinds(args)
-            self._slots.watch_buffers(args)
-            device = self._device_for(args)
-            start = time.perf_counter()
-            runs = self._policy.warmup
-            if self._functional and runs > 0 and capture_runs_fn(device):
-                runs -= 1  # the capture's own run is the last warmup, as on a call (_capture)
-            undone_runs(self._fn, args, self._slots, runs)
-            self._record(key, args, NEW_KEY, device, False, None, False, start)
-            self._counters.count_ahead()
-            return True
+            with collector_paused():  # as in _capture
+                self._check_kinds(args)
+                self._slots.watch_buffers(args)
+                device = self._device_for(args)
+                start = time.perf_counter()
+                runs = self._policy.warmup
+                if self._functional and runs > 0 and capture_runs_fn(device):
+                    runs -= 1  # the capture's own run is the last warmup, as on a call (_capture)
+                undone_runs(self._fn, args, self._slots, runs)
+                self._record(key, args, NEW_KEY, device, False, None, False, start)
+                self._counters.count_ahead()
+                return True
 
     def _record(
         self, key: Key, args: Args, reason: str, device: torch.device, as_call: bool,
@@ -349,6 +355,13 @@ class CaptureSet:
             replacing.release()
         self.events.append(CaptureEvent(key, reason))
         self._counters.count_capture(reason, self._total)
+        if cap.watch is not None:
+            # cyclic garbage the capture made (the frames a caught exception's traceback keeps,
+            # a lazy import's) may still reference its outputs: settled with them, the count
+            # drops when the collector frees it, and reads as held. All of it is young: the
+            # collector is paused during a capture (collector.py), so generation 0 holds
+            # everything the capture made, and collecting it alone is cheap
+            gc.collect(0)
         self._counters.count_capture_time(time.perf_counter() - started)
         logger.info("%s: captured graph key %s (%s)", self.name, key, reason)
         if cap.watch is not None:
