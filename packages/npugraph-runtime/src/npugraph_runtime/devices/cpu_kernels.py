@@ -21,7 +21,8 @@ machine's load at capture:
 6. the op itself, copied into place: always available, the reference the others are checked
    against.
 
-In-place ops are re-issued as a bound ``Tensor`` method when that verifies, else as the op itself.
+In-place ops are re-issued as a bound ``Tensor`` method when calling it dispatches to the same
+overload with the same arguments (checked by dispatch, nothing run), else as the op itself.
 
 A decision is the first candidate in rule order that verifies; the later ones are not run.
 Decisions are kept per op and argument layout (``_DECIDED``): a later capture of the same
@@ -68,9 +69,9 @@ from npugraph_runtime.devices.cpu_candidates import (
     single_tensor_returns,
     verified,
 )
+from npugraph_runtime.devices.cpu_scratch import hold_scratch, release_scratch
 
 # re-exported for callers that name an op from here (the schema helpers live in schema.py)
-from npugraph_runtime.devices.cpu_scratch import hold_scratch, release_scratch
 from npugraph_runtime.schema import overload_name as overload_name
 from npugraph_runtime.schema import write_positions as write_positions
 

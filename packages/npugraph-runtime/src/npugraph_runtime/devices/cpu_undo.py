@@ -93,10 +93,11 @@ class UndoLog:
             return None
         if not _no_self_overlap(t):
             return None  # the write refuses it (an expanded tensor); so would its undo
+        written = t.untyped_storage().data_ptr()
+        if any(i is not None and i.untyped_storage().data_ptr() == written for i in args[1]):
+            return None  # indices read from the written storage: keep it whole
         # copies: a later op of the capture may write the index tensors
         indices = tuple(None if i is None else i.clone() for i in args[1])
-        if any(i is not None and i.untyped_storage() is t.untyped_storage() for i in args[1]):
-            return None  # indices read from the written storage: keep it whole
         try:
             saved = _index(t, list(indices))
         except (IndexError, RuntimeError):  # the write itself will refuse these indices
