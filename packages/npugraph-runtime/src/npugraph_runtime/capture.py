@@ -19,11 +19,11 @@ from npugraph_runtime.devices.base import ComputingGraph, DeviceGraph, PoolHandl
 from npugraph_runtime.devices.no_launch import Launched, UndoneRun
 from npugraph_runtime.errors import CaptureError, PolicyError
 from npugraph_runtime.graphs import Graph, graph
-from npugraph_runtime.inputs import WriteWatch, mirror, non_overlapping, storage_ptr
+from npugraph_runtime.inputs import WriteWatch, mirror, storage_ptr
 from npugraph_runtime.keys import Args, Key
 from npugraph_runtime.ledger import OutputWatch, is_result, watches_of
 from npugraph_runtime.outputs import OutputPlan
-from npugraph_runtime.spans import bytes_overlap
+from npugraph_runtime.spans import bytes_overlap, non_overlapping
 from npugraph_runtime.spec import CapturePolicy, InputSpec, SlotKind
 
 __all__ = ["CAPTURE_RANGE", "Capture", "Slots", "capture_runs_fn", "record", "tensor", "warm_up"]

@@ -362,10 +362,9 @@ class CaptureSet:
             # collector is paused during a capture (collector.py), so generation 0 holds
             # everything the capture made, and collecting it alone is cheap
             gc.collect(0)
+            cap.watch.settle()  # nothing outside the capture holds its outputs yet
         self._counters.count_capture_time(time.perf_counter() - started)
         logger.info("%s: captured graph key %s (%s)", self.name, key, reason)
-        if cap.watch is not None:
-            cap.watch.settle()  # nothing outside the capture holds its outputs yet
         return cap
 
     def _warn_grad(self, args: Args) -> None:

@@ -30,9 +30,10 @@ from typing import cast
 
 import torch
 
-from npugraph_runtime.inputs import non_overlapping, storage_ptr
+from npugraph_runtime.inputs import storage_ptr
 from npugraph_runtime.keys import Args
 from npugraph_runtime.ledger import is_result
+from npugraph_runtime.spans import non_overlapping
 
 __all__ = ["LIVES", "CopiedInputs"]
 

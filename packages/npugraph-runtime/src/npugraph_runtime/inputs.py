@@ -22,18 +22,6 @@ def storage_ptr(t: torch.Tensor) -> int:
     return int(t.untyped_storage().data_ptr())
 
 
-def non_overlapping(t: torch.Tensor) -> bool:
-    """No two elements of ``t`` share memory (an expanded or as_strided view may fail this):
-    only then can ``t`` be written element by element, as a copy into a buffer does."""
-    reach = 0  # the furthest element offset the dims already walked can reach
-    for size, stride in sorted(((s, st) for s, st in zip(t.shape, t.stride(), strict=True) if s > 1),
-                               key=lambda d: d[1]):
-        if stride <= reach:
-            return False
-        reach += (size - 1) * stride
-    return True
-
-
 class WriteWatch(TorchDispatchMode):  # type: ignore[misc]
     """Notes which of the watched storages (address -> input index) an op writes in place, by
     the op's schema, and which user buffers (``raw``: address -> input index) the graph reads

@@ -69,7 +69,7 @@ from npugraph_runtime.devices.cpu_candidates import (
     single_tensor_returns,
     verified,
 )
-from npugraph_runtime.devices.cpu_scratch import hold_scratch, release_scratch
+from npugraph_runtime.devices.cpu_scratch import hold_scratch, release_scratch, scratch_held
 
 # re-exported for callers that name an op from here (the schema helpers live in schema.py)
 from npugraph_runtime.schema import overload_name as overload_name
@@ -117,10 +117,10 @@ DECISION_COUNTS: dict[str, int] = {"decided": 0, "rechecked": 0, "trusted": 0, "
 
 class _CaptureChecks(threading.local):
     """What the capture in progress on this thread verified, by key: each signature is checked
-    once per capture, on that capture's data (captures are per thread, as dispatch modes are)."""
+    once per capture, on that capture's data (captures are per thread, as dispatch modes are;
+    a capture is in progress while it holds the scratch arena)."""
 
     def __init__(self) -> None:
-        self.holders = 0
         self.checked: dict[Any, list[Candidate]] = {}
 
 
@@ -130,15 +130,13 @@ _CAPTURE = _CaptureChecks()
 def capture_checks_begin() -> None:
     """A capture begins on this thread: its kernel checks share one scratch arena, and a
     signature it verified once is not verified again until ``capture_checks_end``."""
-    _CAPTURE.holders += 1
     hold_scratch()
 
 
 def capture_checks_end() -> None:
-    _CAPTURE.holders = max(0, _CAPTURE.holders - 1)
-    if _CAPTURE.holders == 0:
-        _CAPTURE.checked = {}
     release_scratch()
+    if not scratch_held():
+        _CAPTURE.checked = {}
 
 
 class _OpenJournals(threading.local):
@@ -288,7 +286,7 @@ def out_candidates(
     except TypeError:  # an unhashable constant: decide every time
         DECISION_COUNTS["decided"] += 1
         return list(_decide(func, op, args, kwargs, outs, copy_only).candidates)
-    checked = _CAPTURE.checked.get(key) if _CAPTURE.holders else None
+    checked = _CAPTURE.checked.get(key) if scratch_held() else None
     if checked is not None and decision is not None:
         DECISION_COUNTS["reused"] += 1
         for journal in _OPEN.journals:
@@ -309,7 +307,7 @@ def out_candidates(
         journal.note(key, decision)
     picked = (_recheck(decision, func, op, args, kwargs, outs, copy_only) if how == "rechecked"
               else list(decision.candidates))
-    if _CAPTURE.holders:
+    if scratch_held():
         _CAPTURE.checked[key] = picked
     return picked
 

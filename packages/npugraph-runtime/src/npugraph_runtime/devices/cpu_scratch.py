@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
+from npugraph_runtime.spans import byte_span
+
 _ALIGN = 64  # bytes: each scratch starts on a cache line, as a fresh allocation would
 
 
@@ -37,16 +39,14 @@ def release_scratch() -> None:
         _ARENA.storage = None
 
 
+def scratch_held() -> bool:
+    """A capture on this thread holds the arena (between ``hold_scratch`` and its release)."""
+    return _ARENA.holders > 0
+
+
 def arena_nbytes() -> int:
     """The bytes of scratch this thread's captures hold now (0 outside a capture)."""
     return 0 if _ARENA.storage is None else _ARENA.storage.nbytes()
-
-
-def _span(t: torch.Tensor) -> int:
-    """Bytes of storage ``t``'s sizes and strides reach from its first element."""
-    if t.numel() == 0:
-        return 0
-    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) * t.element_size()
 
 
 def scratch_for(ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -57,7 +57,8 @@ def scratch_for(ts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     offsets, end = [], 0
     for t in ts:
         offsets.append(end)
-        end += -(-_span(t) // _ALIGN) * _ALIGN
+        first, last = byte_span(t)
+        end += -(-(last - first) // _ALIGN) * _ALIGN
     storage = _ARENA.storage
     if storage is None or storage.nbytes() < end:
         storage = _ARENA.storage = torch.UntypedStorage(max(end, _ALIGN))  # type: ignore[no-untyped-call]

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from npugraph_runtime.schema import overload_name
+from npugraph_runtime.spans import non_overlapping
 
 # the ops, not the methods: a None index is a dim not indexed (t[None] adds one; the
 # index_put_ method refuses it)
@@ -48,24 +49,12 @@ class _Elements:
         _index_put_(self.target, list(self.indices), self.saved)
 
 
-def _no_self_overlap(t: torch.Tensor) -> bool:
-    """No two elements of ``t`` share memory, shown from its sizes and strides alone: each dim,
-    by increasing stride, steps past everything the smaller ones reach."""
-    extent = 1
-    for size, stride in sorted(((n, st) for n, st in zip(t.shape, t.stride(), strict=True)
-                                if n > 1), key=lambda d: d[1]):
-        if stride < extent:
-            return False
-        extent = stride * size
-    return True
-
-
 class UndoLog:
     """The writes of one capture to pre-existing storages, in their order."""
 
     def __init__(self) -> None:
         self._entries: list[_Whole | _Elements] = []
-        self._whole: dict[int, torch.UntypedStorage] = {}
+        self._whole: set[int] = set()  # storages kept whole: their later writes need nothing
         self._written: dict[int, torch.UntypedStorage] = {}
 
     def before_write(self, t: torch.Tensor, func: Any, args: tuple[Any, ...]) -> None:
@@ -80,7 +69,7 @@ class UndoLog:
         if elements is not None:
             self._entries.append(elements)
             return
-        self._whole[key] = st
+        self._whole.add(key)
         self._entries.append(_Whole(st, st.clone()))  # type: ignore[no-untyped-call]
 
     @staticmethod
@@ -91,7 +80,7 @@ class UndoLog:
             return None
         if not all(i is None or isinstance(i, torch.Tensor) for i in args[1]):
             return None
-        if not _no_self_overlap(t):
+        if not non_overlapping(t):
             return None  # the write refuses it (an expanded tensor); so would its undo
         written = t.untyped_storage().data_ptr()
         if any(i is not None and i.untyped_storage().data_ptr() == written for i in args[1]):
