@@ -155,14 +155,41 @@ def _captures(since: dict[str, int], prefix: str = "captured_") -> int:
 def _compile(name: str, model: Decoder, fn: Callable[..., Any], budget: float,
              options: dict[str, Any] | None, warm: list[tuple[Any, ...]]) -> Callable[..., Any]:
     """`fn` compiled by `name` with dynamic shapes; one call per argument tuple in `warm`
-    (each graph compiled), then the caches zeroed."""
+    (each graph compiled), then the caches zeroed and the compile's garbage collected: a full
+    collection scans the heap a compile left (~250 ms here), and one falls into whatever runs
+    next, a capture or a timed step; it is start-up, for every compiler alike."""
     compiled = compile_with(own_code(fn, name), name, options=options, dynamic=True)
     with time_limit(budget if name == "inductor" else 0.0), torch.no_grad():
         for args in warm:
             compiled(model, *args)
     model.kc.zero_()
     model.vc.zero_()
+    gc.collect()
     return compiled
+
+
+def _warm_calls(steps: list[Step]) -> list[tuple[Any, ...]]:
+    """The compiling calls: a batch of one and the first larger batch (Dynamo makes a graph of
+    each)."""
+    return [(s.tokens, s.slots, s.pos)
+            for s in (steps[0], next(s for s in steps if len(s.slots) > 1))]
+
+
+def _timed_rounds(groups: list[dict[str, Callable[..., Any]]], models: dict[str, Decoder],
+                  steps: list[Step], rounds: int, expected: list[torch.Tensor]
+                  ) -> tuple[dict[str, list[list[float]]], dict[str, float]]:
+    """`rounds` rounds of `steps`, each group of compilers interleaved (_interleaved): the
+    seconds per step of each round and the max error per compiler. The first compiler of the
+    first group gives the reference when `expected` is empty."""
+    per_round: dict[str, list[list[float]]] = {n: [] for g in groups for n in g}
+    errors: dict[str, float] = {n: 0.0 for g in groups for n in g}
+    for _ in range(rounds):
+        for group in groups:
+            times, errs = _interleaved(group, models, steps, expected)
+            for name in group:
+                per_round[name].append(times[name])
+                errors[name] = max(errors[name], errs[name])
+    return per_round, errors
 
 
 def _loop(compiled: Callable[..., Any], model: Decoder, steps: list[Step],
@@ -222,8 +249,7 @@ def run(ctx: BenchContext) -> Section:
     rounds = 2 if ctx.quick else 3
     sizes_used = sorted({_next_size(len(s.slots)) for s in steps})
     options = {"capture_sizes": CAPTURE_SIZES, "pad_values": {"slots": SCRATCH}}
-    warm = [(s.tokens, s.slots, s.pos) for s in (steps[0], next(s for s in steps
-                                                                  if len(s.slots) > 1))]
+    warm = _warm_calls(steps)
     models: dict[str, Decoder] = {}
     compiled: dict[str, Callable[..., Any]] = {}
     facts: dict[str, dict[str, Any]] = {}
@@ -236,10 +262,6 @@ def run(ctx: BenchContext) -> Section:
             start, cpu, before = time.perf_counter(), clock(), counter_snapshot()
             compiled[name] = _compile(name, model, _forward, ctx.inductor_budget_s,
                                       options if name == OURS else None, warm)
-            # the compile's garbage: a full collection scans the heap it left (~250 ms after
-            # a compile here), and one falls into whatever runs next, a capture or a timed
-            # step; it is start-up, for every compiler alike
-            gc.collect()
             # the captures the compiling calls made (the declared sizes, ahead): part of the
             # total, as if the loop had met them (the runtime's capture_ms_ counters, warm-ups
             # included; wall time, which a loaded machine inflates: it counts against ours)
@@ -253,18 +275,13 @@ def run(ctx: BenchContext) -> Section:
                    else f"fails to compile: {fmt_exc(exc)}")
             facts[name] = {"skipped": why}
     expected: list[torch.Tensor] = []
-    per_round: dict[str, list[list[float]]] = {n: [] for n in compiled}
-    errors: dict[str, float] = dict.fromkeys(compiled, 0.0)
     # eager and ours in one interleaving (their ratios are the targets), the slower compilers
-    # beside it (an aot_eager chunk takes a second: the pair's turns would drift apart)
+    # beside it (an aot_eager chunk takes a second: the pair's turns would drift apart); eager
+    # first: its first round's outputs are the reference
     pair = {n: c for n, c in compiled.items() if n in ("eager", OURS)}
-    passes = [pair] + [{n: c} for n, c in compiled.items() if n not in pair]
-    for _ in range(rounds):  # eager first: its first round's outputs are the reference
-        for group in passes:
-            times, errs = _interleaved(group, models, steps, expected)
-            for name in group:
-                per_round[name].append(times[name])
-                errors[name] = max(errors[name], errs[name])
+    per_round, errors = _timed_rounds(
+        [pair] + [{n: c} for n, c in compiled.items() if n not in pair], models, steps, rounds,
+        expected)
     captures = _captures(since)  # the warm-up calls' captures included
     ahead = _captures(since, "capture_ahead")
     fallbacks = _fallbacks(since)
@@ -410,12 +427,11 @@ SMALL_HIDDEN, SMALL_POSITIONS = 32, 64
 def _smaller(ctx: BenchContext, sec: Section, options: dict[str, Any], n_steps: int, rounds: int,
              facts: dict[str, dict[str, Any]]) -> None:
     """The same loop on a decoder small enough that a step's host overhead dominates its KV
-    reads: eager against ours only, interleaved by round as above (INFO rows)."""
+    reads: eager against ours only, interleaved as above (INFO rows)."""
     torch.manual_seed(1)
     base = Decoder(SMALL_HIDDEN, SMALL_POSITIONS).to(ctx.device).eval()
     steps = schedule(n_steps, positions=SMALL_POSITIONS)
-    warm = [(s.tokens, s.slots, s.pos) for s in (steps[0], next(s for s in steps
-                                                                  if len(s.slots) > 1))]
+    warm = _warm_calls(steps)
     models: dict[str, Decoder] = {}
     compiled: dict[str, Callable[..., Any]] = {}
     capture_ms = 0.0
@@ -430,16 +446,9 @@ def _smaller(ctx: BenchContext, sec: Section, options: dict[str, Any], n_steps: 
         except Exception as exc:
             sec.figures.append(Figure.skip(f"smaller decoder: {name}", fmt_exc(exc)))
             return
-        gc.collect()  # the compile's garbage, as above
         capture_ms += float(_captures(before, "capture_ms_"))
-    expected: list[torch.Tensor] = []
-    per_round: dict[str, list[list[float]]] = {n: [] for n in compiled}
-    err = 0.0
-    for _ in range(rounds):
-        times, errs = _interleaved(compiled, models, steps, expected)
-        for name in compiled:
-            per_round[name].append(times[name])
-        err = max(err, errs[OURS])
+    per_round, errors = _timed_rounds([compiled], models, steps, rounds, [])
+    err = errors[OURS]
     median = {n: statistics.median([t for ts in r[1:] for t in ts]) for n, r in per_round.items()}
     total = {n: sum(r[0]) * 1e3 for n, r in per_round.items()}
     total[OURS] += capture_ms
